@@ -859,6 +859,13 @@ def higher_is_better(metric: str) -> bool:
     return metric_direction(metric) is True
 
 
+THRESHOLDS = {"window": "monitor.window", "alert_rate": "monitor.alert_rate",
+              "min_steps": "monitor.min_steps", "growth_interval": "scaler.growth_interval"}
+"""The thresholds a :class:`RunMonitor` judges by (:attr:`RunMonitor.thresholds`), by name, and
+the config field each is: what a run that has no ``config.yaml`` (a Hugging Face callback's)
+records in its ``summary.json``, so ``ampguard report`` judges its CSV as the run did."""
+
+
 class RunMonitor:
     """Watches a run's records: counts, rolling skip rate, alerts, fail-fast, clip rate, scale health.
 
@@ -1616,6 +1623,17 @@ class RunMonitor:
     @growth_interval.setter
     def growth_interval(self, growth_interval: int | None) -> None:
         self.health.growth_interval = growth_interval
+
+    @property
+    def thresholds(self) -> dict[str, Any]:
+        """The :data:`THRESHOLDS` this monitor judges by, by name.
+
+        Example::
+
+            >>> RunMonitor(window=16, growth_interval=5).thresholds
+            {'window': 16, 'alert_rate': 0.05, 'min_steps': 100, 'growth_interval': 5}
+        """
+        return {name: getattr(self, name) for name in THRESHOLDS}
 
     @property
     def scale_verdict(self) -> str:

@@ -23,7 +23,7 @@ from .errors import (ExitCode, InputError, check_folder_of, counted, failed_beca
                      whole_number)
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
-from .monitor import RollingWindow, RunMonitor, ScaleHealth
+from .monitor import THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
@@ -1436,15 +1436,9 @@ def unobserved_of(csv_path: Path) -> int:
     return steps if whole_number(steps) and whole_number(total) and steps <= total else 0
 
 
-RECORDED_THRESHOLDS = {"window": "monitor.window", "alert_rate": "monitor.alert_rate",
-                       "min_steps": "monitor.min_steps", "growth_interval": "scaler.growth_interval"}
-"""What a Hugging Face callback's ``summary.json`` records of the thresholds its monitor judged
-by (``thresholds``), by name, and the config field each is."""
-
-
 def thresholds_of(csv_path: Path) -> dict[str, Any]:
     """The thresholds a run's monitor judged by, as the ``summary.json`` beside its ``steps.csv``
-    records them (:data:`RECORDED_THRESHOLDS`; a Hugging Face callback's run: no ``config.yaml``),
+    records them (:data:`~ampguard.monitor.THRESHOLDS`; a Hugging Face callback's run: no ``config.yaml``),
     each one its config field takes; {} without (as :func:`unobserved_of`). ``report`` judges by
     them where none is given, so its verdicts are the run card's (review 47h: a run at window 16
     read "stable" on its card, "collapsing" in report, judged at the default 1000).
@@ -1461,7 +1455,7 @@ def thresholds_of(csv_path: Path) -> dict[str, Any]:
     recorded = _summary_of(csv_path).get("thresholds")
     if not isinstance(recorded, dict):
         return {}
-    return {name: value for name, key in RECORDED_THRESHOLDS.items()
+    return {name: value for name, key in THRESHOLDS.items()
             if (value := recorded.get(name)) is not None and not isinstance(value, bool) and _in_range(key, value)}
 
 

@@ -728,8 +728,7 @@ class AmpGuardCallback(TrainerCallback):
                     "summary": m.summary(), "guarded": self._guarded,
                     "unobserved": m.unobserved,  # steps 1..this not in the counts: resumed without ampguard's state
                     # (what the monitor judged by: `ampguard report` of this folder judges by them too)
-                    "thresholds": {"window": m.window, "alert_rate": m.alert_rate, "min_steps": m.min_steps,
-                                   "growth_interval": m.growth_interval},
+                    "thresholds": m.thresholds,
                 }
                 if self.autocast_dtypes:
                     summary["float32_under_autocast"] = float32_layers_text(self.autocast_dtypes)
