@@ -41,3 +41,12 @@ def test_a_run_whose_every_step_skipped_alerts_at_its_end_and_fails_with_a_fail_
 
     summary = _run(tmp_path / "c", 5, {3}, fail_rate=0.5)  # 1 of 5: above alert_rate, never all above fail_rate
     assert (summary["alert_episodes"], summary["exit_code"], summary["ended"]) == (1, 0, "finished: 5 steps")
+
+
+def test_summary_records_the_thresholds_its_monitor_judged_by_and_report_reads_them(tmp_path):
+    from ampguard.report import thresholds_of
+
+    summary = _run(tmp_path, 3, set(), window=16, alert_rate=0.25, min_steps=4)
+    assert summary["thresholds"] == {"window": 16, "alert_rate": 0.25, "min_steps": 4, "growth_interval": None}
+    assert thresholds_of(tmp_path / "out" / "ampguard" / "steps.csv") == {"window": 16, "alert_rate": 0.25,
+                                                                           "min_steps": 4}
