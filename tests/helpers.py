@@ -366,6 +366,15 @@ def kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def warm_own_group(cmd: list[str], cwd: Path, env: dict[str, str] | None, **streams: Any):
+    """``cmd`` (a Python command) forked warm (tests/warm.py) in ``cwd``, in a process group of its
+    own that a SIGTERM reaches when the suite's forkserver dies: how :class:`Launch` and
+    :func:`run_to_end` start theirs."""
+    import warm
+
+    return warm.Popen(cmd, cwd=cwd, env=env, process_group=0, death_signal=signal.SIGTERM, **streams)
+
+
 class Launch:
     """One ``torchrun --standalone --nproc_per_node 2 ARGS`` in ``cwd`` (ARGS a Python script and its
     arguments), forked warm, its workers too (tests/warm.py, :func:`warm_workers`), in a process
@@ -379,8 +388,6 @@ class Launch:
         import subprocess
         import time
 
-        import warm
-
         self.name, self.cwd, self.timeout_s = name, cwd, timeout_s
         cwd.mkdir(parents=True, exist_ok=True)
         workers, env = warm_workers(env or torchrun_env())
@@ -390,8 +397,7 @@ class Launch:
         self._out = (cwd.parent / f"{name}.stdout").open("w+")
         self._err = (cwd.parent / f"{name}.stderr").open("w+")
         self.started = time.monotonic()
-        self.proc = warm.Popen(self.cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
-                               process_group=0, death_signal=signal.SIGTERM)
+        self.proc = warm_own_group(self.cmd, cwd, env, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL)
         self.rc: int | None = None
         self.stdout = self.stderr = ""
 
@@ -656,12 +662,10 @@ def run_to_end(name: str, cmd: list[str], cwd: Path, *, timeout_s: float, env: d
     too: killing torchrun alone left them running) and the test fails with its output's tail."""
     import subprocess
 
-    import warm
-
     cwd.mkdir(parents=True, exist_ok=True)
     streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL, "text": True}
     if cmd[0] == sys.executable:
-        proc = warm.Popen(cmd, cwd=cwd, env=env, process_group=0, death_signal=signal.SIGTERM, **streams)
+        proc = warm_own_group(cmd, cwd, env, **streams)
     else:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, **streams, **own_process_group(dies_with_its_parent()))
     try:
