@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 from .clipping import clip_threshold
 from .config import Config
 from .errors import AmpguardWarning, InputError, counted, first_line, listed, user_code
-from .headroom import HEADROOM_CSV, Headroom, HeadroomCsv
+from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, HeadroomCsv
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .precision import Precision, keep_in_fp32, release_fp32, scale_in_use, submodule
@@ -626,7 +626,8 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
                 keep_through: int | None = None, headroom: Headroom | None = None) -> Sinks:
     """Where a run's records go: the CSV (appended after ``keep_through`` on a resume), the
     optional JSON lines and TensorBoard sinks (cut or purged after ``keep_through`` the same way),
-    ``headroom.csv`` with ``headroom``, the W&B and MLflow sinks, and the console."""
+    ``headroom.csv`` with ``headroom`` (without it, on a resume, an existing one cut back all the
+    same), the W&B and MLflow sinks, and the console."""
     append = keep_through is not None
     # log.wandb, log.mlflow (rank 0's folder only) first: a tracker that refuses at its open (a
     # store gone since the up-front check) does so before a resume has cut back any log
@@ -641,6 +642,9 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
             sinks.append(TensorBoardSink(paths.tensorboard, keep_through=keep_through))
         if headroom is not None and paths.dir is not None:
             sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
+        elif keep_through is not None and paths.dir is not None and (paths.dir / HEADROOM_CSV).is_file():
+            # a resume with the monitor off: the rows after the step are the abandoned timeline's
+            CsvSink.cut_after(paths.dir / HEADROOM_CSV, len(HEADROOM_COLUMNS), keep_through)
     except BaseException as err:  # the tracker runs end with the run, which ends here
         end_trackers(trackers, err)
         raise

@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import inspect
+import io
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -179,18 +180,21 @@ def headroom_bits(amax: float, fmt: Format) -> float:
 
 def bits_shown(bits: float, bound: float) -> str:
     """``bits`` to one decimal, or as many more as it takes to stay on its side of ``bound``
-    (3.9993 below an alert_bits of 4 is "3.999", not "4.0").
+    (3.9993 below an alert_bits of 4 is "3.999", not "4.0"); closer to it than six decimals
+    tell, the side itself (an alert's upper bound, :func:`overflow_bound`: just below it).
 
     Example::
 
         >>> bits_shown(3.25, 4.0), bits_shown(3.9993, 4.0), bits_shown(4.5, 4.5), bits_shown(-math.inf, 4.0)
         ('3.2', '3.999', '4.5', '-inf')
+        >>> bits_shown(math.nextafter(4.0, -math.inf), 4.0)
+        '< 4.0'
     """
     for digits in range(1, 7):
         text = f"{bits:.{digits}f}"
         if (float(text) < bound) == (bits < bound):
             return text
-    return repr(bits)
+    return f"{'<' if bits < bound else '>='} {bound!r}"
 
 
 class _Measured:
@@ -227,7 +231,9 @@ def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float, floor:
     scaler's search (one skip, then a halved scale), not a warning, unless the scale cannot come
     down enough (at its floor, it cannot come down at all). None when the row says nothing: a
     nan, or a scaled gradient that overflowed at a scale above ``2**alert_bits`` times the floor
-    (its unscaled size is unknown beyond ``> max / scale``).
+    (its unscaled size is unknown beyond ``> max / scale``). One that overflowed at a smaller
+    scale is ``-inf``, below every other row of its module (the heatmap's dark red, the one an
+    alert names); its headroom is below :func:`overflow_bound`, which its alert reports.
 
     Example::
 
@@ -242,12 +248,38 @@ def judged_bits(row: HeadroomRow, scale: float | None, alert_bits: float, floor:
     bits = row.headroom_bits
     if math.isnan(bits):
         return None
-    room = scale / max(floor, 1.0) if scale is not None and scale > 0 else None  # how far the scale can come down
-    if row.tensor in UNSCALED or room is None or room <= 1.0:
+    room = _room(row, scale, floor)
+    if room is None:
         return bits
-    if math.isinf(bits) and bits < 0:  # overflowed scaled: headroom at the floor < log2(room)
-        return bits if math.log2(room) <= alert_bits else None
+    bound = overflow_bound(row, scale, floor)
+    if bound is not None:  # overflowed scaled: headroom at the floor < bound (the alert says so: Headroom._message)
+        return bits if bound <= alert_bits else None
     return bits + math.log2(room)
+
+
+def _room(row: HeadroomRow, scale: float | None, floor: float) -> float | None:
+    """How far the loss ``scale`` ``row``'s step ran with can come down (to the scaler's
+    ``floor``): ``scale / floor``; None for a row no loss scale is in (its own headroom, a scale
+    of none or 0, one at or below the floor)."""
+    room = scale / max(floor, 1.0) if scale is not None and scale > 0 else None
+    return None if row.tensor in UNSCALED or room is None or room <= 1.0 else room
+
+
+def overflow_bound(row: HeadroomRow, scale: float | None, floor: float = 1.0) -> float | None:
+    """For a gradient that overflowed scaled (``-inf`` bits) at a loss ``scale`` above the
+    scaler's ``floor``: the headroom it has at most without the scale, down to the floor,
+    ``log2(scale / floor)`` (its unscaled amax is above ``max / scale``): an upper bound, the
+    true figure strictly below it. None for any other row.
+
+    Example::
+
+        >>> overflow_bound(HeadroomRow(1, "fc", "param_grad", math.inf, -math.inf, 0.0), 16.0)
+        4.0
+        >>> overflow_bound(HeadroomRow(1, "fc", "param_grad", 1.0, 3.0, 0.0), 16.0)  # (its headroom is known)
+    """
+    room = _room(row, scale, floor)
+    bits = row.headroom_bits
+    return math.log2(room) if room is not None and math.isinf(bits) and bits < 0 else None
 
 
 @dataclass(frozen=True)
@@ -761,6 +793,11 @@ class Headroom:
 
     def _message(self, row: HeadroomRow, bits: float) -> str:
         scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {bits_shown(bits, self.alert_bits)} bits"
+        bound = self._overflow_bound(row)
+        if bound is not None:  # (its -inf, judged_bits' for the ranking, would read as inf without the scale too)
+            return (f"headroom_alert: {row.module} {row.tensor} overflowed at loss scale {scale:g}: headroom < "
+                    f"{bound:g} bits without the loss scale, alert_bits {self.alert_bits:g} (amax > "
+                    f"{self.format.max / scale:.4g} unscaled, {self.format.name} max {self.format.max:.6g})")
         if row.tensor in UNSCALED or not self.scaled_grads:
             amax = f"amax {row.amax:.4g}"
         elif scale is None or not scale > 0:
@@ -774,9 +811,15 @@ class Headroom:
                 f"{self.format.max:.6g})")
 
     def _data(self, row: HeadroomRow, bits: float) -> dict[str, Any]:
+        bound = self._overflow_bound(row)  # (below it: the largest number that is, not its -inf)
+        judged = bits if bound is None else math.nextafter(bound, -math.inf)
         return {"module": row.module, "tensor": row.tensor, "amax": row.amax, "headroom_bits": row.headroom_bits,
-                "judged_bits": bits, "loss_scale": self._row_scale, "format": self.format.name,
+                "judged_bits": judged, "loss_scale": self._row_scale, "format": self.format.name,
                 "alert_bits": self.alert_bits}
+
+    def _overflow_bound(self, row: HeadroomRow) -> float | None:
+        """:func:`overflow_bound` of ``row`` at the loss scale its step ran with."""
+        return overflow_bound(row, self._row_scale, self.scale_floor)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: the modules alerting now.
@@ -876,8 +919,7 @@ def read_headroom_csv(path: str | Path) -> list[HeadroomRow]:
             rows = []
             for n, cells in enumerate(reader, start=2):
                 try:
-                    step, module, tensor, amax, bits, share = cells
-                    rows.append(HeadroomRow(int(step), module, tensor, float(amax), float(bits), float(share)))
+                    rows.append(_headroom_row(cells))
                 except ValueError:
                     if not f.read():  # a torn last line (a run killed mid-write): what came before stands
                         break
@@ -887,6 +929,46 @@ def read_headroom_csv(path: str | Path) -> list[HeadroomRow]:
         raise InputError(f"{path}: cannot read it ({failed_because(err)})") from None
     except UnicodeDecodeError:
         raise InputError(f"{path}: not a text file") from None
+
+
+def _headroom_row(cells: list[str]) -> HeadroomRow:
+    """The row of a ``headroom.csv`` line's ``cells``; ``ValueError`` when they are not one.
+
+    Example::
+
+        >>> _headroom_row(["5", "fc", "grad", "inf", "-inf", "0.0"]).headroom_bits
+        -inf
+        >>> _headroom_row(["4", "0", "output", "abc", "1", "0"])
+        Traceback (most recent call last):
+        ...
+        ValueError: could not convert string to float: 'abc'
+    """
+    step, module, tensor, amax, bits, share = cells
+    return HeadroomRow(int(step), module, tensor, float(amax), float(bits), float(share))
+
+
+def check_headroom_rows(path: Path, kept: bytes, refused: str) -> None:
+    """One :class:`InputError` line (ending in ``refused``) unless every row of ``kept`` (the
+    lines of the ``headroom.csv`` at ``path`` a resume keeps, :meth:`CsvSink.kept_rows`'s
+    ``read_back``) reads as :func:`read_headroom_csv` reads it: a resume that appended after a row
+    with a cell that is no number would leave a file whose heatmap ``report`` leaves out.
+
+    Example::
+
+        >>> kept = b"step,module,tensor,amax,headroom_bits,underflow_share\\n4,0,output,1.5,15.4,0\\n"
+        >>> check_headroom_rows(Path("headroom.csv"), kept, "cannot resume from it")
+        >>> check_headroom_rows(Path("headroom.csv"), kept.replace(b"1.5", b"abc"), "cannot resume from it")
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: headroom.csv: line 2 is not a headroom row: '4,0,output,abc,15.4,0'; cannot resume from it
+    """
+    reader = csv.reader(io.StringIO(kept.decode("utf-8"), newline=""))  # (as the file reads)
+    next(reader, None)  # (the header: checked by CsvSink.check_header)
+    for n, cells in enumerate(reader, start=2):
+        try:
+            _headroom_row(cells)
+        except ValueError:
+            raise InputError(f"{path}: line {n} is not a headroom row: {','.join(cells)!r}; {refused}") from None
 
 
 # ---------------------------------------------------------------------------- skipped steps

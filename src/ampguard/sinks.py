@@ -899,11 +899,19 @@ class CsvSink(_LineFile):
             >>> path.read_bytes()  # as it was
             b'step,lr\\n1,0.1\\n\\xb2,0.\\xff\\n3,0.1\\n'
         """
-        # (a CSV that is a link stays one, its target cut: it is appended to through the link)
-        _cut(self.path, self.kept_rows(self.path, len(self.columns), step, purpose=purpose), step, purpose)
+        self.cut_after(self.path, len(self.columns), step, purpose)
 
     @staticmethod
-    def kept_rows(path: Path, width: int, step: int, first: int | None = None, purpose: str = RESUME) -> bytes:
+    def cut_after(path: Path, width: int, step: int, purpose: str = RESUME) -> None:
+        """The rows of the CSV at ``path`` (``width`` cells each) after ``step`` dropped, as
+        :meth:`_truncate_after` drops them: for a log a resume cuts back but does not append to
+        (``headroom.csv`` when the resumed run has the monitor off: its rows after the step are of
+        the abandoned timeline). A CSV that is a link stays one, its target cut."""
+        _cut(path, CsvSink.kept_rows(path, width, step, purpose=purpose), step, purpose)
+
+    @staticmethod
+    def kept_rows(path: Path, width: int, step: int, first: int | None = None, purpose: str = RESUME,
+                  read_back: Callable[[Path, bytes, str], None] | None = None) -> bytes:
         """The bytes of the CSV at ``path`` a resume from ``step`` keeps: the header and the rows
         up to ``step``, each checked (UTF-8, ``width`` cells, an ASCII whole-number step; else
         one :class:`InputError` line); a torn last line and the rows after ``step`` left out.
@@ -911,8 +919,10 @@ class CsvSink(_LineFile):
         own steps.csv from 1): a row missing, or a step going back, is one line too (appending
         to it would make a CSV that disagrees with the run card, or one ``report`` refuses), and
         each row kept must read as :func:`read_steps_and_columns` reads it (its numbers numbers).
-        Reads only: a resume checks every log with it before it cuts any (``Trainer``). ``purpose``
-        (:func:`_cut`'s): what a refusal says it cannot do, a resume or the loop's new attempt.
+        ``read_back(path, kept, refused)``: how each row kept must read otherwise (another CSV's
+        reader, ``headroom.csv``'s; one :class:`InputError` line ending in ``refused`` when one
+        does not). Reads only: a resume checks every log with it before it cuts any (``Trainer``).
+        ``purpose`` (:func:`_cut`'s): what a refusal says it cannot do, a resume or the loop's new attempt.
 
         Example::
 
@@ -964,8 +974,10 @@ class CsvSink(_LineFile):
                 break
             keep.append(raw)
             expected = None if expected is None else expected + 1
-        if first is not None:  # (a run's own steps.csv): each row kept is one report can read, cell by cell
-            _read_back(path, b"".join(keep), refused)
+        if first is not None and read_back is None:  # (a run's own steps.csv): each row kept is one report reads
+            read_back = _read_back
+        if read_back is not None:  # cell by cell
+            read_back(path, b"".join(keep), refused)
         if expected is not None and expected <= step:
             raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}, the checkpoint is at step {step} (rows "
                                f"missing); {into}", expected - 1)

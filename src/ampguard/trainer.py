@@ -37,7 +37,7 @@ from .events import EventLog, Throughput, event_word, known_peak_tflops, progres
 from .faults import FaultInjector, parse_faults
 from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks,
                      Stop, TriggerBatches, rollback_reach)
-from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms
+from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms, check_headroom_rows
 from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import Event, LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
@@ -280,14 +280,16 @@ class Trainer:
         """Every log a resume appends to (and cuts back to its ``step``) is of this run, checked
         before any is cut, each CSV row it keeps included: a refused resume changes none of them."""
         columns = CSV_COLUMNS + self.evaluator.metrics
-        csvs = [(paths.csv, columns, f"this run's columns ({', '.join(self.evaluator.metrics) or 'no metrics'})")]
-        if self.headroom is not None:
-            csvs.append((paths.dir / HEADROOM_CSV, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS)))
-        for path, names, expected in csvs:
+        csvs = [(paths.csv, columns, f"this run's columns ({', '.join(self.evaluator.metrics) or 'no metrics'})", None)]
+        headroom = paths.dir / HEADROOM_CSV
+        if self.headroom is not None or headroom.is_file():  # (cut back with the monitor off too: build_sinks)
+            csvs.append((headroom, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS), check_headroom_rows))
+        for path, names, expected, read_back in csvs:
             CsvSink.check_header(path, names, expected)
             if path is not None and path.is_file():  # (steps.csv: every step from 1 to the checkpoint's)
                 try:
-                    CsvSink.kept_rows(path, len(names), step, first=1 if path == paths.csv else None)
+                    CsvSink.kept_rows(path, len(names), step, first=1 if path == paths.csv else None,
+                                      read_back=read_back)
                 except RowsEndEarly as short:  # (its tail lost in a crash): the newest checkpoint it reaches
                     reached = [p for p in list_checkpoints(paths.checkpoints) if checkpoint_step(p) <= short.last]
                     way = f"; --resume {reached[-1]} goes on from there" if reached else ""
