@@ -38,6 +38,7 @@ _WHERE = {
     "StepLog": "records",
     "StepRecord": "records",
     "TensorBoardSink": "sinks",
+    "UnsyncedReplicasWarning": "step",
     "WandbSink": "integrations.trackers",
     "clip_global_l2_norm": "clipping",
     "has_non_finite_grad": "clipping",

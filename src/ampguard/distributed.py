@@ -327,6 +327,32 @@ def agree(loss: torch.Tensor, norms: Sequence[torch.Tensor]) -> tuple[list[torch
     return agreed, packed[-2:]
 
 
+REPLICA_SPREAD = 1e-3
+"""How far apart (relative to the larger) the ranks' gradient norms may read before the guard
+calls them different (:func:`norm_range`): DDP's all-reduced gradients, FSDP2's full norm and a
+loop's own all-reduce give every rank the same norm (bit for bit on one kind of device)."""
+
+
+def norm_range(norm: torch.Tensor) -> tuple[float, float] | None:
+    """The lowest and the highest of the ranks' gradient ``norm`` (one all-reduce, one host
+    read), None in a world of one. Ranks that apply their gradients each as its own (a model
+    not wrapped in DDP or FSDP2, or the one from before ``accelerator.prepare``) read apart
+    (:data:`REPLICA_SPREAD`): the guard asks once, at its first step whose norm is finite.
+
+    Example (no process group)::
+
+        >>> norm_range(torch.tensor(3.0)) is None
+        True
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    value = norm.detach().reshape(()).to(torch.float32)
+    packed = torch.stack([value, -value])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    high, neg_low = packed.tolist()
+    return -neg_low, high
+
+
 NAMED_RANKS = 24
 """The largest world whose ranks :func:`agree`'s origin names each: a bit a rank, summed in
 float32 (24 bits of mantissa: every sum exact)."""

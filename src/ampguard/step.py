@@ -513,6 +513,11 @@ class _SetOnce:
         obj.__dict__[self.public] = value
 
 
+class UnsyncedReplicasWarning(AmpguardWarning):
+    """Under several processes the ranks' gradients differ at the guard's first step: each rank
+    applies its own (a model not wrapped in DDP or FSDP2), and the replicas drift apart."""
+
+
 class Guard:
     """The guarded mixed-precision step as verbs around your own forward and loss.
 
@@ -700,6 +705,7 @@ class Guard:
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
         self._modules, self._root, self._frozen_mode = modules, root, frozen
+        self._replicas_judged = False  # (under several ranks: do they apply the same gradients? the first step)
         # the running statistics (BatchNorm's) each step's forward writes: put back on a skip
         self._running_stats = RunningStats(modules)
         _watch_registrations()
@@ -753,6 +759,7 @@ class Guard:
         self.__dict__.update(state)
         self.__dict__.setdefault("_half_loss_said", False)  # (a guard pickled before they were kept)
         self.__dict__.setdefault("_half_said", True)
+        self.__dict__.setdefault("_replicas_judged", False)
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
         self._running_stats = RunningStats(getattr(self, "_modules", []))
@@ -1335,7 +1342,31 @@ class Guard:
         if early:
             norms = self._found_at_unscale(names, early, norms)
         (loss, mark, pre, *each), origin = distributed.agree(loss, [self._loss_mark, *norms])
+        if not self._replicas_judged:
+            self._judge_replicas(pre)
         return grads, loss, mark, pre, each, origin
+
+    def _judge_replicas(self, pre: torch.Tensor) -> None:
+        """Once, at the first step whose gradient norm is finite on every rank: under several
+        processes, ranks whose norms differ apply their gradients each as its own (a model not
+        wrapped in DDP or FSDP2, or the one from before ``accelerator.prepare``): the guard would
+        tie their skips and average their losses into one record while the replicas drift apart,
+        so it says so (:class:`UnsyncedReplicasWarning`). One all-reduce and one host read."""
+        seen = distributed.norm_range(pre)
+        if seen is None:  # (a world of one)
+            self._replicas_judged = True
+            return
+        low, high = seen
+        if not (math.isfinite(low) and math.isfinite(high)):  # (a step that skips: judged at a later one)
+            return
+        self._replicas_judged = True
+        if high - low > distributed.REPLICA_SPREAD * high:
+            warnings.warn(UnsyncedReplicasWarning(
+                f"the ranks' gradient norms differ at step {self.steps} ({low:.6g} to {high:.6g}): each rank applies "
+                f"its own gradients, so the replicas drift apart while the guard ties their skips and averages "
+                f"their losses into one record; wrap the model (DistributedDataParallel, fully_shard) and give the "
+                f"guard the wrapped one (Accelerate: the model accelerator.prepare returned), or all-reduce the "
+                f"gradients between guard.backward() and guard.step()"), stacklevel=user_stacklevel())
 
     def _found_at_unscale(self, names: tuple[str, ...], early: list[str], norms: list[torch.Tensor]
                           ) -> list[torch.Tensor]:

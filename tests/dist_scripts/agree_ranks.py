@@ -46,6 +46,34 @@ def _steps(rank: int, sync_free: bool) -> list[tuple]:
     return out
 
 
+def _replicas(rank: int) -> dict[str, list[tuple[str, str]]]:
+    """Three steps of a guard a case, each rank's batches its own: over a model each rank trains
+    as its own (``own``), the same with rank 1's first loss NaN (``first_skips``: judged at the
+    first finite step), and over it wrapped in DDP (``ddp``). The UnsyncedReplicasWarnings each
+    case gave: (message, file named)."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ampguard import AmpTrainState, UnsyncedReplicasWarning
+
+    seen = {}
+    for case in ("own", "first_skips", "ddp"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        guarded = DistributedDataParallel(model) if case == "ddp" else model
+        state = AmpTrainState(guarded, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="fp32")
+        x, y = torch.full((2, 4), 1.0 + rank), torch.zeros(2, 1)
+        nan = torch.full((2, 1), float("nan") if rank == 1 else 0.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(1, 4):
+                state.step(x, nan if case == "first_skips" and step == 1 else y)
+        seen[case] = [(str(w.message), w.filename) for w in caught if issubclass(w.category, UnsyncedReplicasWarning)]
+    return seen
+
+
 def _rank(rank: int, out: str) -> None:
     # a file rendezvous, no port: a port found free and then taken by another test's torchrun
     # store (the early jobs run beside) aborted rank 1 ("terminate called without an active exception")
@@ -59,7 +87,8 @@ def _rank(rank: int, out: str) -> None:
         ]
         agreed, origin = distributed.agree(loss, norms)
         results = {"agreed": [t.item() for t in agreed], "origin": origin.tolist(),
-                   "exact": _steps(rank, sync_free=False), "sync_free": _steps(rank, sync_free=True)}
+                   "exact": _steps(rank, sync_free=False), "sync_free": _steps(rank, sync_free=True),
+                   "replicas": _replicas(rank)}
         torch.save(results, f"{out}/rank{rank}.pt")
         del loss, norms, agreed, origin, results  # (the tensors the collectives made, freed before the group)
         dist.barrier()  # (both done before either tears its pairs down: a rank destroying the group while its

@@ -20,6 +20,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from ampguard.integrations.accelerate import found_inf, make_guard  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_guard.py"
+UNPREPARED = Path(__file__).resolve().parents[1] / "dist_scripts" / "accelerate_unprepared.py"
 
 
 @pytest.fixture
@@ -208,7 +209,10 @@ def early(work: Path) -> dict[str, Ended]:
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
            str(EXAMPLE), "--precision", "bf16", "--steps", "8", "--csv", str(folder / "steps.csv"),
            "--inf-at", "3", "--inf-rank", "1"]
-    return {"launch": run_to_end("launch", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
+    unprepared = [*cmd[:cmd.index(str(EXAMPLE))], str(UNPREPARED)]
+    return {"launch": run_to_end("launch", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=torchrun_env()),
+            "unprepared": run_to_end("unprepared", unprepared, work / "unprepared", timeout_s=EARLY_TIMEOUT_S,
+                                     env=torchrun_env())}
 
 
 @pytest.mark.slow
@@ -230,6 +234,16 @@ def test_two_processes_under_accelerate_launch_skip_the_fault_of_one_together(la
     lrs = [float(r["lr"]) for r in rows]
     assert lrs[1] < lrs[2] == lrs[3] < lrs[4]  # the warm-up held on the skipped step
     assert not list(done.cwd.glob("*.csv.*"))
+
+
+@pytest.mark.slow
+def test_make_guard_refuses_the_model_from_before_prepare_on_every_process(launches):
+    # (review 48b: given it, each process trained its own replica while the guard tied their skips into one record)
+    done = launches["unprepared"]
+    assert done.rc == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: refused: make_guard got the Linear from before accelerator.prepare" in done.stdout
+        assert f"rank {rank}: taken (DistributedDataParallel)" in done.stdout
 
 
 def _guarded_run(folder: Path, micro_batches: int, *, load: Path | None = None, **accelerator_kw):

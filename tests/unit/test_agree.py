@@ -86,3 +86,15 @@ def test_the_origin_names_each_rank_whose_loss_was_not_finite(world):
             assert text == f"{len(chosen)} of {world} ranks"
     last = world - 1  # the highest rank alone: its bit (2 ** 23 at 24 ranks) exact in float32
     assert loss_origin(1.0, torch.tensor(rank_code(last, world), dtype=torch.float32).item(), world) == f"rank {last}"
+
+
+def test_a_model_each_rank_trains_as_its_own_is_said_once_one_in_ddp_is_not(ranks):
+    # (review 48b: an unwrapped model under torchrun trained diverging replicas whose records read as one run)
+    for rank in (0, 1):
+        seen = ranks[rank]["replicas"]
+        assert seen["ddp"] == []  # (DDP's all-reduced gradients: the same norm on every rank)
+        for case, step in (("own", 1), ("first_skips", 2)):  # (a step that skips is not judged: the next is)
+            [(message, where)] = seen[case]
+            assert message.startswith(f"the ranks' gradient norms differ at step {step} (")
+            assert "wrap the model (DistributedDataParallel, fully_shard)" in message
+            assert where.endswith("agree_ranks.py")  # (the user's line, not ampguard's)

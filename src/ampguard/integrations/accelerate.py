@@ -126,6 +126,7 @@ def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: 
                          "step pairs the processes' steps, and one with fewer batches would pair its next epoch's "
                          "with another's last (a hang, then a peer's error): leave even_batches on")
     _check_world(accelerator)
+    _check_prepared(accelerator, model)
     accumulation = accelerator.gradient_accumulation_steps
     given = settings.setdefault("accumulation_steps", accumulation)
     if accumulation != 1 and given != accumulation:
@@ -174,6 +175,29 @@ def _check_world(accelerator: Any) -> None:
     raise ValueError(f"the accelerator counts {counted_} process{'es' if counted_ != 1 else ''} but torch.distributed "
                      f"has {world}{hint}: the guard agrees every skip over torch.distributed's processes, and "
                      "the accelerator would train them as separate runs")
+
+
+def _check_prepared(accelerator: Any, model: Any) -> None:
+    """Refuse the model from before ``accelerator.prepare`` where prepare wrapped it (DDP over
+    several processes): its gradients are never all-reduced, so each process would train its own
+    replica while the guard tied their skips into one record (review 48b). Accelerate keeps the
+    model it was given among its models and marks the one it returns as prepared; a model
+    prepare returned as it was (one process, FSDP2's in-place shards) carries the mark itself.
+
+    Example (nothing prepared: nothing to compare)::
+
+        >>> from types import SimpleNamespace
+        >>> _check_prepared(SimpleNamespace(_models=[], num_processes=2), torch.nn.Linear(2, 1))
+    """
+    if getattr(accelerator, "num_processes", 1) <= 1:
+        return
+    prepared = getattr(accelerator, "_models", None) or []
+    for given in model if isinstance(model, (list, tuple)) else [model]:
+        if any(p is given for p in prepared) and not getattr(given, "_is_accelerate_prepared", False):
+            raise ValueError(f"make_guard got the {type(given).__name__} from before accelerator.prepare, which wrapped "
+                             "it for several processes: give the guard (and the loop's forward) the model prepare "
+                             "returned (model, opt, data = accelerator.prepare(model, opt, data)); the one before it "
+                             "never all-reduces its gradients")
 
 
 class GuardState:
