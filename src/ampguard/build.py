@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -622,12 +624,21 @@ def to_device(value: Any, device: torch.device) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), value)
 
 
+def _tensorboard_logged(log_dir: Path) -> bool:
+    """Whether ``log_dir`` holds TensorBoard event files an earlier attempt wrote, and the
+    ``tensorboard`` package is here to purge their later steps (without it nothing can read them
+    here either: left as they are)."""
+    return log_dir.is_dir() and any(log_dir.glob("events.out.tfevents.*")) and \
+        importlib.util.find_spec("tensorboard") is not None
+
+
 def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], console: ConsoleSink,
                 keep_through: int | None = None, headroom: Headroom | None = None) -> Sinks:
     """Where a run's records go: the CSV (appended after ``keep_through`` on a resume), the
     optional JSON lines and TensorBoard sinks (cut or purged after ``keep_through`` the same way),
-    ``headroom.csv`` with ``headroom`` (without it, on a resume, an existing one cut back all the
-    same), the W&B and MLflow sinks, and the console."""
+    ``headroom.csv`` with ``headroom``, the W&B and MLflow sinks, and the console. A resume that
+    turned one of the optional logs off still cuts back (purges) what an earlier attempt left of
+    it after ``keep_through``: those steps are the abandoned timeline's."""
     append = keep_through is not None
     # log.wandb, log.mlflow (rank 0's folder only) first: a tracker that refuses at its open (a
     # store gone since the up-front check) does so before a resume has cut back any log
@@ -638,8 +649,12 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
             sinks.append(CsvSink(paths.csv, metrics, append=append, keep_through=keep_through))
         if config.log.jsonl and paths.steps_jsonl is not None:
             sinks.append(JsonlSink(paths.steps_jsonl, append=append, keep_through=keep_through))
+        elif keep_through is not None and paths.steps_jsonl is not None and paths.steps_jsonl.is_file():
+            JsonlSink.cut_after(paths.steps_jsonl, keep_through)  # (off now: its later lines, the abandoned timeline's)
         if config.log.tensorboard and paths.tensorboard is not None:
             sinks.append(TensorBoardSink(paths.tensorboard, keep_through=keep_through))
+        elif keep_through is not None and paths.tensorboard is not None and _tensorboard_logged(paths.tensorboard):
+            TensorBoardSink.purge_after(paths.tensorboard, keep_through)  # (the same, for TensorBoard's reader)
         if headroom is not None and paths.dir is not None:
             sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
         elif keep_through is not None and paths.dir is not None and (paths.dir / HEADROOM_CSV).is_file():

@@ -1173,19 +1173,26 @@ class JsonlSink(_LineFile):
 
     def _truncate_after(self, step: int, purpose: str = RESUME) -> None:
         """Drop the lines after ``step`` (written after the checkpoint a run resumes from),
-        atomically, so the resumed run appends without duplicate steps. A torn last line goes too,
-        and so does everything from the first line that is not a step record on. A file whose
-        first line is not a step record is no step log: refused (as :class:`CsvSink` refuses a
-        header that does not match), and left as it is."""
-        self.check_step_log(self.path)
-        lines = self.path.read_bytes().splitlines(keepends=True)
+        atomically, so the resumed run appends without duplicate steps (:meth:`cut_after`)."""
+        self.cut_after(self.path, step, purpose)
+
+    @classmethod
+    def cut_after(cls, path: Path, step: int, purpose: str = RESUME) -> None:
+        """The lines of the step log at ``path`` after ``step`` dropped, atomically: a torn last
+        line goes too, and so does everything from the first line that is not a step record on.
+        A file whose first line is not a step record is no step log: refused (as
+        :class:`CsvSink` refuses a header that does not match), and left as it is. For the file
+        a resume appends to, and for one it does not (``log.jsonl`` turned off: its lines after
+        the step are the abandoned timeline's)."""
+        cls.check_step_log(path)
+        lines = path.read_bytes().splitlines(keepends=True)
         keep = 0  # how many lines stay
         for line in lines:
             at = _record_step(line)
             if not line.endswith(b"\n") or at is None or at > step:
                 break
             keep += 1
-        _cut(self.path, b"".join(lines[:keep]), step, purpose)  # (a link stays one)
+        _cut(path, b"".join(lines[:keep]), step, purpose)  # (a link stays one)
 
     @staticmethod
     def check_step_log(path: Path) -> None:
@@ -1434,6 +1441,13 @@ class TensorBoardSink:
         self._where = str(log_dir)
         self._last = 0  # the highest step written
         self._closed = False
+
+    @classmethod
+    def purge_after(cls, log_dir: Path, step: int) -> None:
+        """The steps after ``step`` an earlier writer left in ``log_dir`` purged without writing
+        more (a resume with ``log.tensorboard`` turned off: they are the abandoned timeline's):
+        an event file of only the restart marker, as :meth:`__init__` writes one first."""
+        cls(log_dir, keep_through=step).close()
 
     @staticmethod
     def require() -> None:

@@ -294,7 +294,7 @@ class Trainer:
                     reached = [p for p in list_checkpoints(paths.checkpoints) if checkpoint_step(p) <= short.last]
                     way = f"; --resume {reached[-1]} goes on from there" if reached else ""
                     raise InputError(f"{short}{way}") from None
-        if self.config.log.jsonl:
+        if self.config.log.jsonl or paths.steps_jsonl.is_file():  # (cut back with log.jsonl off too: build_sinks)
             JsonlSink.check_step_log(paths.steps_jsonl)
 
     def _check_model(self, model: torch.nn.Module) -> list[str]:

@@ -73,6 +73,35 @@ def test_resume_purges_tensorboard_steps_after_the_checkpoint(tmp_path):
     assert len(list((run / "tensorboard").glob("events.out.tfevents*"))) == 2  # both runs' files are kept
 
 
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_a_resume_with_the_logs_turned_off_still_cuts_back_their_abandoned_steps(tmp_path):
+    # (review 48a's follow-up: log.jsonl or log.tensorboard off on a resume left steps 5-8 of the
+    # abandoned timeline beside the resumed run's, which a reader took for the run's own)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ok(helpers.train(tmp_path, "r", *RUN, "--set", "log.jsonl=true", "--set", "log.tensorboard=true"))
+    run = tmp_path / "r"
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    time.sleep(1.05 - time.time() % 1)  # (as above: the purge's event file opens in a later second)
+    assert "RESUME 4" in ok(ag("train", "--resume", run, "--set", "log.jsonl=false", "--set", "log.tensorboard=false"))
+
+    assert jsonl_steps(run / "steps.jsonl") == [1, 2, 3, 4]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in read_rows(run / "steps.csv")] == list(range(1, 9))
+
+
+def test_a_resume_with_log_jsonl_off_refuses_a_steps_jsonl_that_is_no_step_log(tmp_path, snapshot):
+    ok(helpers.train(tmp_path, "r", *RUN, "--set", "log.jsonl=true"))
+    run = tmp_path / "r"
+    (run / "steps.jsonl").write_text("not a step record\n", encoding="utf-8")
+    before = snapshot(run)
+    line = helpers.one_error_line(ag("train", "--resume", run, "--set", "log.jsonl=false"))
+    assert "steps.jsonl: its first line is not a step record" in line, line
+    assert snapshot(run) == before
+
+
 @pytest.mark.parametrize("spoiled", ["steps.jsonl", "headroom.csv"])
 def test_a_resume_refused_for_one_log_cuts_none_of_them(tmp_path, snapshot, spoiled):
     # every log a resume appends to is checked before any is cut: a foreign steps.jsonl (or
