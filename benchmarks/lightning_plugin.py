@@ -1,8 +1,8 @@
 """AmpGuardPlugin against Lightning's own MixedPrecision + gradient_clip_val: time per optimizer step.
 
-Each fits the same MLP on the digits data for ``--steps`` steps, alternating in ``--rounds``
-rounds in one process (so drift on a shared machine hits both); prints the median ms per step
-of each and the ratio. CPU only here; ``--precision 16-mixed`` is emulated on a CPU (slow).
+Each fits the same MLP on the digits data for ``--steps`` timed steps (after ``WARMUP`` untimed
+ones: the fit's set-up is not a step's cost), alternating in ``--rounds`` rounds in one process
+(so drift on a shared machine hits both); prints the median ms per step of each and the ratio. CPU only here; ``--precision 16-mixed`` is emulated on a CPU (slow).
 
     PYTHONPATH=src python benchmarks/lightning_plugin.py --steps 200 --rounds 5
 """
@@ -20,6 +20,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn import functional as F
 
+from ampguard.bench import balanced_orders, median_interval
 from ampguard.integrations.lightning import AmpGuardPlugin
 from ampguard.tasks.digits import load_split
 
@@ -38,13 +39,34 @@ class Digits(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+WARMUP = 20
+"""Steps of each fit left out of its time: the fit's set-up and the guard's, built at the first
+backward, are a fixed cost that a per-step figure of a 200-step fit would spread over its steps."""
+
+
+class StepClock(L.Callback):
+    """The time from the start of step ``WARMUP + 1`` to the end of the fit's last step."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.end: float | None = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if trainer.global_step == WARMUP and self.start is None:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.end = time.perf_counter()
+
+
 def fit_seconds(plugin, steps: int, hidden: int, data, **trainer_args) -> float:
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, plugins=[plugin], logger=False,
+    """Seconds of the fit's steps after its first ``WARMUP``."""
+    clock = StepClock()
+    trainer = L.Trainer(max_steps=steps + WARMUP, accelerator="cpu", devices=1, plugins=[plugin], logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                        **trainer_args)
-    start = time.perf_counter()
+                        callbacks=[clock], **trainer_args)
     trainer.fit(Digits(hidden), data)
-    return time.perf_counter() - start
+    return clock.end - clock.start
 
 
 def main() -> None:
@@ -60,22 +82,30 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     x, y, _, _ = load_split()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=True)
-    times: dict[str, list[float]] = {"lightning MixedPrecision": [], "AmpGuardPlugin": [],
-                                     "AmpGuardPlugin(log=False)": []}
-    for _ in range(args.rounds):
-        times["lightning MixedPrecision"].append(fit_seconds(
-            MixedPrecision(args.precision, "cpu"), args.steps, args.hidden, data, gradient_clip_val=1.0))
-        times["AmpGuardPlugin"].append(fit_seconds(
-            AmpGuardPlugin(args.precision, max_norm=1.0), args.steps, args.hidden, data))
-        times["AmpGuardPlugin(log=False)"].append(fit_seconds(
-            AmpGuardPlugin(args.precision, max_norm=1.0, log=False), args.steps, args.hidden, data))
-    medians = {name: statistics.median(t) / args.steps * 1e3 for name, t in times.items()}
-    print(f"{args.precision}, MLP hidden {args.hidden}, batch 64, {args.steps} steps x {args.rounds} rounds "
+    fits = {
+        "lightning MixedPrecision": lambda: fit_seconds(MixedPrecision(args.precision, "cpu"), args.steps, args.hidden,
+                                                        data, gradient_clip_val=1.0),
+        "AmpGuardPlugin": lambda: fit_seconds(AmpGuardPlugin(args.precision, max_norm=1.0), args.steps, args.hidden,
+                                              data),
+        "AmpGuardPlugin(log=False)": lambda: fit_seconds(AmpGuardPlugin(args.precision, max_norm=1.0, log=False),
+                                                         args.steps, args.hidden, data),
+    }
+    names = list(fits)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    orders = balanced_orders(len(names))  # (each fit runs after each other equally often: warm caches even out)
+    for round_ in range(args.rounds):
+        for i in orders[round_ % len(orders)]:
+            times[names[i]].append(fits[names[i]]())
+    base = times[names[0]]
+    print(f"{args.precision}, MLP hidden {args.hidden}, batch 64, {args.steps} timed steps x {args.rounds} rounds "
           f"(torch {torch.__version__}, lightning {L.__version__}, {torch.get_num_threads()} threads)")
-    for name, ms in medians.items():
-        spread = [s / args.steps * 1e3 for s in times[name]]
-        print(f"  {name:27s} {ms:7.3f} ms/step  (min {min(spread):.3f}, max {max(spread):.3f})")
-    print(f"  ratio AmpGuardPlugin / MixedPrecision: {medians['AmpGuardPlugin'] / medians['lightning MixedPrecision']:.3f}")
+    for name in names:
+        ms = [t / args.steps * 1e3 for t in times[name]]
+        line = f"  {name:27s} {statistics.median(ms):7.3f} ms/step  (min {min(ms):.3f}, max {max(ms):.3f})"
+        if name != names[0]:  # the ratio within each round, then their median: drift between rounds cancels
+            med, low, high = median_interval([t / b for t, b in zip(times[name], base)])
+            line += f"  x{med:.3f} [{low:.3f}, {high:.3f}] of MixedPrecision (95% interval of the median)"
+        print(line)
 
 
 if __name__ == "__main__":
