@@ -773,7 +773,8 @@ class AmpGuardPlugin(_LightningPrecision):
             raise RuntimeError("AmpGuardPlugin: no backward ran before this optimizer step, though training_step "
                                "returned a loss (a backward of Lightning's skipped, or the closure ran elsewhere?)")
         names = () if len(guard.optimizers) == 1 else (optimizer,)
-        guard.unscale_(*names)  # so on_before_optimizer_step sees true gradients
+        if guard.scaler.is_enabled() or _hooks_see_gradients(model):
+            guard.unscale_(*names)  # so on_before_optimizer_step sees true gradients (unscaled, or checked first)
         self._after_closure(model, optimizer)
         record = guard.step(*names, close=True)  # only at a group's end (or an epoch's short last group)
         assert record is not None
@@ -979,6 +980,22 @@ def _at_its_limit(trainer: pl.Trainer) -> bool:
     steps, epochs = trainer.max_steps, trainer.max_epochs
     return (steps is not None and steps >= 0 and trainer.global_step >= steps) or (
         epochs is not None and epochs >= 0 and trainer.current_epoch >= epochs)
+
+
+def _hooks_see_gradients(model: pl.LightningModule) -> bool:
+    """Whether an ``on_before_optimizer_step`` of the module's or a callback's runs between the
+    backward and the guard's step. With no loss scaler, ``guard.unscale_()`` before them only
+    records what PyTorch's non-finite check finds (a hook that then clamps an inf still skips
+    the step); with none of them, the step's own check sees the same gradients, and that pass
+    over them (~7% of a small MLP's step) is left out."""
+    return _overrides(model, pl.LightningModule) or any(_overrides(cb, pl.Callback) for cb in model.trainer.callbacks)
+
+
+def _overrides(obj: Any, base: type) -> bool:
+    """Whether ``obj`` has an ``on_before_optimizer_step`` other than ``base``'s (its class's, or
+    one set on it). A few attribute reads: not Lightning's ``is_overridden`` (~19 us)."""
+    return (getattr(type(obj), "on_before_optimizer_step", None) is not base.on_before_optimizer_step
+            or "on_before_optimizer_step" in vars(obj))
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:

@@ -1,0 +1,41 @@
+"""The Lightning plugin without a loss scaler runs ``guard.unscale_()`` (PyTorch's non-finite
+check by 1.0) before Lightning's ``on_before_optimizer_step`` hooks only when one exists: with
+none the step's own check sees the same gradients, and that pass over them was a few percent of
+a small model's step. With one, a hook that clamps an inf gradient still leaves the step skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+from test_lightning import Digits, fit  # noqa: E402
+
+from ampguard.integrations.lightning import AmpGuardPlugin, _hooks_see_gradients  # noqa: E402
+
+
+class Clamp(L.Callback):
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        for p in module.parameters():
+            p.grad.nan_to_num_(posinf=0.0, neginf=0.0)
+
+
+class ClampingDigits(Digits):
+    def on_before_optimizer_step(self, optimizer):
+        for p in self.parameters():
+            p.grad.nan_to_num_(posinf=0.0, neginf=0.0)
+
+
+@pytest.mark.parametrize("hook", ["none", "callback", "module", "instance"])
+def test_an_inf_gradient_skips_its_step_whether_or_not_a_hook_clamps_it_first(hook):
+    module = (ClampingDigits if hook == "module" else Digits)(faults=["inf_grad@2"])
+    if hook == "instance":  # (a hook set on the module itself, not its class)
+        module.on_before_optimizer_step = lambda optimizer: [p.grad.nan_to_num_(posinf=0.0, neginf=0.0)
+                                                             for p in module.parameters()]
+    plugin = AmpGuardPlugin("bf16-mixed", max_norm=1.0)
+    trainer = fit(module, plugin, steps=3, callbacks=[Clamp()] if hook == "callback" else [])
+    assert [(r.step, r.reason) for r in plugin.records] == [(1, None), (2, "non_finite_grad"), (3, None)]
+    assert all(torch.equal(a, b) for a, b in zip(module.after[1], module.after[2]))  # step 2 left them
+    assert _hooks_see_gradients(module) is (hook != "none")
+    assert trainer.global_step == 3
