@@ -397,6 +397,14 @@ def _finite(value: float) -> float:
     return value
 
 
+def _float32(value: float) -> float:
+    """At most the largest float32: a setting the step applies to float32 tensors (a larger one
+    failed at the first step, "value cannot be converted to type float without overflow")."""
+    if value > MAX_SCALE:
+        raise ValueError(f"must be <= {MAX_SCALE:.6g}, the largest float32 (got {brief(value)})")
+    return value
+
+
 def _rate(value: float) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"must be in [0, 1] (got {value!r})")
@@ -412,6 +420,7 @@ Count0 = Annotated[Int, _at_least(0), _COUNT_CAP]  # zero allowed
 Window = Annotated[Int, _at_least(1), AfterValidator(lambda v: _at_most(v, MAX_WINDOW))]  # a rolling window's size
 Amount = Annotated[Float, _at_least(0.0, finite=True)]  # a finite number >= 0
 Positive = Annotated[Float, _at_least(0.0, strict=True, finite=True)]  # a finite number > 0
+Float32 = AfterValidator(_float32)  # (and at most the largest float32: applied to float32 tensors)
 Rate = Annotated[Float, AfterValidator(_rate)]  # in [0, 1]
 
 
@@ -436,13 +445,13 @@ class OptimizerConfig(_Section):
 
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer: AdamW, or SGD with momentum."""
-    lr: Amount = 3e-3
+    lr: Annotated[Amount, Float32] = 3e-3
     """Peak learning rate (after warmup)."""
-    weight_decay: Amount = 0.0
-    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    weight_decay: Annotated[Amount, Float32] = 0.0
+    """Decoupled weight decay (AdamW: ``lr x weight_decay`` below 1) or L2 penalty (SGD)."""
     betas: tuple[Float, Float] = (0.9, 0.95)
     """AdamW's moment decay rates, each in [0, 1)."""
-    eps: Positive = 1e-8
+    eps: Annotated[Positive, Float32] = 1e-8
     """AdamW's denominator epsilon."""
     momentum: Float = 0.9
     """SGD momentum in [0, 1)."""
@@ -498,9 +507,9 @@ class ScalerConfig(_Section):
 
     enabled: bool | None = None
     """Loss scaling: None means on for fp16, off otherwise. True with bf16/fp32 is an error."""
-    init_scale: Positive = 2.0**16
+    init_scale: Annotated[Positive, Float32] = 2.0**16
     """Starting loss scale (at most the largest float32, about 3.4e38)."""
-    growth_factor: Float = 2.0
+    growth_factor: Annotated[Float, Float32] = 2.0
     """Scale multiplier after ``growth_interval`` clean steps in a row (> 1)."""
     backoff_factor: Float = 0.5
     """Scale multiplier on a skipped step, in (0, 1)."""
@@ -513,13 +522,6 @@ class ScalerConfig(_Section):
     skipped is a collapse: the monitor raises a ``scale_alert`` at the floor and, with
     ``monitor.fail_on_scale_collapse``, stops the run. At least 2**-126 (the smallest normal
     float32) and at most ``init_scale``."""
-
-    @field_validator("init_scale")
-    @classmethod
-    def _float32(cls, v: float) -> float:
-        if v > MAX_SCALE:
-            raise ValueError(f"must be <= {MAX_SCALE:.6g}, the largest float32: the scale is a float32 (got {v!r})")
-        return v
 
     @field_validator("min_scale")
     @classmethod
@@ -1188,6 +1190,11 @@ class Config(_Section):
         if self.fp32_modules and self.precision == "fp8":
             raise ValueError("fp32_modules: under fp8 keep layers out of float8 with fp8.exclude (fp32_modules is for "
                              "fp16 and bf16)")
+        decay = self.optimizer.lr * self.optimizer.weight_decay
+        if self.optimizer.name == "adamw" and decay >= 1:  # (1e300 applied step 1, then every loss was NaN)
+            raise ValueError(f"optimizer.weight_decay: AdamW multiplies every weight by 1 - lr x weight_decay each step "
+                             f"(1 - {self.optimizer.lr:g} x {self.optimizer.weight_decay:g}), which at 1 or above zeroes "
+                             "or flips them; make lr x weight_decay < 1")
         if self.scaler.enabled and not uses_loss_scaler(self.precision):
             raise ValueError(f"scaler.enabled: {self.precision} does not use a loss scaler (set it false or null)")
         if self.rollback.triggers and not (self.checkpoint.enabled and self.checkpoint.every > 0):

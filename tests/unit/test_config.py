@@ -370,3 +370,24 @@ def test_a_fault_is_listed_once_and_a_flag_repeating_the_files_own_adds_nothing(
     # the same flag given twice is refused as the demo refuses it (train folded it into one, unsaid)
     with pytest.raises(ConfigError, match="^config: inject: nan_loss@3 listed more than once"):
         load_config(base={"inject": ["spike@5"]}, inject=["nan_loss@3", "spike@5", "nan_loss@3"])
+
+
+@pytest.mark.parametrize("key, value", [("optimizer.lr", "1e39"), ("optimizer.lr", str(10**44)),
+                                        ("optimizer.weight_decay", "1e300"), ("optimizer.eps", "1e300"),
+                                        ("scaler.growth_factor", "1e300"), ("scaler.init_scale", "1e39")])
+def test_a_setting_the_step_applies_to_float32_tensors_is_at_most_the_largest_float32(key, value):
+    # (review 48c: optimizer.lr=1e39 passed, then step 1 raised "value cannot be converted to type
+    # float without overflow": a 61-line traceback, exit 1, a run folder left behind)
+    with pytest.raises(ConfigError, match=rf"^config: {key}: must be <= 3.40282e\+38, the largest float32 "):
+        load_config(None, [f"{key}={value}"])
+    biggest = float(torch.finfo(torch.float32).max)
+    assert load_config(None, [f"{key}={biggest!r}", "optimizer.name=sgd"]) is not None  # (the edge itself: taken)
+
+
+def test_adamw_refuses_a_decay_that_zeroes_or_flips_the_weights_and_sgd_takes_it():
+    # (review 48c: weight_decay 1e300 applied step 1, every weight non-finite, then every step skipped, exit 0)
+    with pytest.raises(ConfigError, match=r"^config: optimizer.weight_decay: AdamW multiplies every weight by "
+                                          r"1 - lr x weight_decay each step \(1 - 0.01 x 100\)"):
+        load_config(None, ["optimizer.lr=0.01", "optimizer.weight_decay=100"])
+    assert load_config(None, ["optimizer.lr=0.01", "optimizer.weight_decay=99"]).optimizer.weight_decay == 99
+    assert load_config(None, ["optimizer.name=sgd", "optimizer.lr=0.01", "optimizer.weight_decay=100"])
