@@ -684,8 +684,18 @@ def entry() -> int:
     """The ``ampguard`` command (the console script; ``python -m ampguard``): :func:`main` on this
     process's own command line. The process ends next, so once the exit code is decided a SIGTERM
     is ignored (``settle``): under torchrun a rank stopped with the others must not be reported
-    as killed by the SIGTERM torchrun sends the ranks still running."""
-    return main(settle=True)
+    as killed by the SIGTERM torchrun sends the ranks still running, and a Ctrl-C ends it with
+    that code (``signals.settled``), not killed by SIGINT."""
+    from .signals import settled
+
+    try:
+        code = main(settle=True)
+    except KeyboardInterrupt:  # (a Ctrl-C as main returned, past its own handling: an interrupt all the same)
+        print("ampguard: interrupted", file=sys.stderr)
+        _handled_keyboard_interrupt()
+        code = ExitCode.INTERRUPTED
+    settled(int(code))
+    return code
 
 
 def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:

@@ -583,6 +583,34 @@ def terminated_as_interrupted(*, settle: bool = False) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+def settled(code: int) -> None:
+    """The process's exit code is decided (``code``) and it only ends from here (its teardown:
+    interpreter exit, threads joined, a library's exit hooks): a Ctrl-C in that time ends it at
+    once with ``code``, as a SIGTERM then is ignored (:func:`terminated_as_interrupted`'s
+    ``settle``). Python's own would kill it by SIGINT (status -2, whatever the run did: a run
+    that finished and wrote everything read as killed; review 48c). Off the main thread, and for
+    a SIGINT the process was started with ignored, nothing is set.
+
+    Example (not run: it would end this process at a Ctrl-C)::
+
+        code = main(settle=True)
+        settled(code)
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return
+
+    def leave(signum: int, frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    signal.signal(signal.SIGINT, leave)
+
+
 def leave_now(signum: int, take_back: Callable[[], None] | None = None, *, held: bool = False,
               cut: str = "") -> None:
     """End the process at once for the stop signal ``signum``, from a watcher thread: ``take_back()``

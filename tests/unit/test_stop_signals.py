@@ -158,3 +158,27 @@ def test_a_sigterm_ignored_inside_the_verb_stays_ignored_after_it(sigterm_put_ba
     with terminated_as_interrupted():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_a_ctrl_c_once_the_exit_code_is_decided_ends_the_process_with_that_code(tmp_path):
+    # (review 48c: a run that finished and wrote everything, then a Ctrl-C in the interpreter's
+    # teardown, ended killed by SIGINT, status -2, not its own code)
+    import subprocess
+    import sys
+
+    script = tmp_path / "late_ctrl_c.py"
+    script.write_text(
+        "import atexit, os, signal, sys, time\n"
+        "from ampguard.cli import entry\n"
+        "sys.argv = ['ampguard', 'demo', '--steps', '2', '--bf16', '--device', 'cpu']\n"
+        "code = entry()\n"
+        "print('teardown', flush=True)\n"  # (the process only ends from here: a Ctrl-C now)
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(5)\n"
+        "print('not reached', flush=True)\n"
+        "sys.exit(code)\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "ended: finished: 2 steps" in done.stdout and done.stdout.rstrip().endswith("teardown")
+    assert "Traceback" not in done.stderr
