@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from .errors import (AmpguardWarning, InputError, counted, failed_because, first_line, has_control, plain_digits, shown,
-                     whole_number)
+from .errors import (AmpguardWarning, InputError, brief, counted, failed_because, first_line, has_control, plain_digits,
+                     shown, whole_number)
 from .files import DiskFull, is_temporary, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -945,7 +945,7 @@ class CsvSink(_LineFile):
         refused, into = _refused(purpose), _refused(purpose, "into")
         lines = path.read_bytes().splitlines(keepends=True)
         keep = [_whole(lines[0])] if lines else []  # (a header its writer's newline never reached: whole)
-        expected = first
+        expected, beyond = first, ""
         for line_no, raw in enumerate(lines[1:], start=2):
             if not raw.endswith(b"\n"):  # a torn last line (a write cut short): it goes
                 break
@@ -971,6 +971,8 @@ class CsvSink(_LineFile):
                 why = "a row is missing" if n > expected else "a step goes back"
                 raise InputError(f"{where}: step {n} where step {expected} should be ({why}); {into}")
             if n > step:
+                if expected is not None and n != expected:  # (past the checkpoint's step, but not the next row)
+                    beyond = f" (line {line_no} holds step {brief(n)})"
                 break
             keep.append(raw)
             expected = None if expected is None else expected + 1
@@ -979,8 +981,8 @@ class CsvSink(_LineFile):
         if read_back is not None:  # cell by cell
             read_back(path, b"".join(keep), refused)
         if expected is not None and expected <= step:
-            raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}, the checkpoint is at step {step} (rows "
-                               f"missing); {into}", expected - 1)
+            raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}{beyond}, the checkpoint is at step {step} "
+                               f"(rows missing); {into}", expected - 1)
         return b"".join(keep)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:

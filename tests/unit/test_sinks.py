@@ -692,3 +692,17 @@ def test_a_background_sink_refuses_a_write_after_close_and_every_write_after_its
             sink.write(applied(step, loss=1.0))
     sink.close()
     assert [row["step"] for row in read_rows(tmp_path / "b.csv")] == ["1", "2"]
+
+
+def test_rows_that_end_early_name_the_line_past_them_that_is_not_the_next_step(tmp_path):
+    # (review 48c: a row whose step was edited to 99999999999999999999999 read "its rows end at step 4"
+    # with no word of the line that broke them)
+    path, header = tmp_path / "steps.csv", ",".join(CSV_COLUMNS)
+    rows = [f"{s},0.1,1,1,0.5,0,,1" for s in (1, 2, 3, 4, 99999999999999999999999, 6)]
+    path.write_text(header + "\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"its rows end at step 4 \(line 6 holds step 99999999999999999999999\), "
+                                         r"the checkpoint is at step 6 \(rows missing\)"):
+        CsvSink.kept_rows(path, len(CSV_COLUMNS), 6, first=1)
+    path.write_text(header + "\n" + "\n".join(rows[:4]) + "\n", encoding="utf-8")  # (the tail lost: no line named)
+    with pytest.raises(InputError, match=r"its rows end at step 4, the checkpoint"):
+        CsvSink.kept_rows(path, len(CSV_COLUMNS), 6, first=1)
