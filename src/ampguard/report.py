@@ -1572,6 +1572,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if out is not None and not plot:
         raise InputError("report: --out says where to draw the plot and --no-plot draws none; give one of them")
     png = Path(out) if out else (target / "report.png" if target.is_dir() else target.with_suffix(".png"))
+    if plot and out is None and png == csv_path:  # (a CSV named .png: its default plot would be the CSV itself)
+        raise InputError(f"report: {csv_path} is named as a plot (.png) but holds no PNG: the plot beside it would be "
+                         "the CSV itself; give --out another .png, or --no-plot")
     if plot:
         check_plot_path(png, csv_path, given=out is not None)
     config = read_run_config(config_path) if config_path.is_file() else Config()

@@ -347,3 +347,15 @@ def test_a_config_written_before_clear_rate_existed_reads_as_clearing_at_alert_r
     data["monitor"]["clear_rate"] = None  # written since: the default, 0.8 x alert_rate
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
     assert read_run_config(tmp_path / "config.yaml").monitor.clear_rate is None
+
+
+def test_a_csv_named_like_a_plot_is_told_so_not_called_its_own_plot(tmp_path):
+    # (review 48c: "the plot x.png is the CSV itself; refusing to overwrite it" for the input itself)
+    data = tmp_path / "x.png"
+    data.write_text(",".join(CSV_COLUMNS) + "\n1,0.1,1,1,0.5,0,,1\n", encoding="utf-8")
+    before = data.read_bytes()
+    with pytest.raises(InputError, match=r"^report: .*x\.png is named as a plot \(\.png\) but holds no PNG: the plot "
+                                         r"beside it would be the CSV itself; give --out another \.png, or --no-plot$"):
+        report.run(data)
+    assert data.read_bytes() == before
+    report.run(data, plot=False)  # (read as the CSV it is)
