@@ -20,7 +20,7 @@ import contextlib
 import datetime
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -554,6 +554,35 @@ def first_error(message: str | None) -> str | None:
         (None, 'bad batch')
     """
     return next((m for m in all_gather(message) if m is not None), None)
+
+
+@contextlib.contextmanager
+def refused_on_every_rank() -> Iterator[None]:
+    """Around what one rank alone does (rank 0's files): an :class:`InputError` it raises is
+    raised on every rank alike (:func:`first_error`), the others with its words, so no rank goes
+    on into a collective the refused one never joins (a refusal on rank 0 alone left rank 1 in
+    the framework's first collective: "Connection closed by peer", under NCCL a wait). Every
+    rank enters it (a collective at its end).
+
+    Example (no process group)::
+
+        >>> try:
+        ...     with refused_on_every_rank():
+        ...         raise InputError("steps.csv already exists")
+        ... except InputError as err:
+        ...     print(err)
+        steps.csv already exists
+    """
+    refused: InputError | None = None
+    try:
+        yield
+    except InputError as err:  # (held until every rank has it: below)
+        refused = err
+    shared = first_error(None if refused is None else str(refused))
+    if refused is not None:
+        raise refused
+    if shared is not None:
+        raise InputError(shared)
 
 
 def every_rank_raised(tag: str, message: str, timeout_s: float) -> str | None:

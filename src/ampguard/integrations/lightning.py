@@ -80,6 +80,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed in the t
 import torch
 from torch import Tensor
 
+from .. import distributed
 from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, counted, failed_because, folder_problem,
                       looked_at, shortened, shown, unwritable, what_is, whole_number)
 from ..monitor import RunMonitor
@@ -312,7 +313,12 @@ class AmpGuardPlugin(_LightningPrecision):
             if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
                 raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
             if self.csv is not None:
-                self._check_csv(trainer, len(optimizers))
+                # rank 0's verdict on its CSV, raised on every rank alike (the others never look at it):
+                # refused on rank 0 alone, the others went on into the fit's first collective and crashed
+                # there ("Connection closed by peer"; under NCCL they would wait in it)
+                with distributed.refused_on_every_rank():
+                    if trainer.is_global_zero:
+                        self._check_csv(trainer, len(optimizers))
             # past the refusals (a refused fit leaves the last fit's results as they were): a new fit
             # has new optimizers (configure_optimizers ran again), so a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
@@ -348,14 +354,14 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
-        the first update): a path that is a folder, a link to nothing, or neither a regular file
+        the first update), judged on rank 0, which writes it (:meth:`connect` raises its refusal
+        on every rank): a path that is a folder, a link to nothing, or neither a regular file
         nor a character device (a named pipe, whose open waited for a reader for ever; a socket),
         or whose folder ``mkdir -p`` cannot make (a file,
         a link to nothing or a loop on the way, judged as the OS walks the path:
-        :func:`~ampguard.errors.folder_problem`, as the Hugging Face callback's ``out_dir``), on
-        every rank alike (one file system, one answer); on rank 0, which writes it, an existing
-        file unless the fit resumes, when it resumes one whose header is not this fit's columns,
-        and a path it cannot write (:func:`_check_writable`)."""
+        :func:`~ampguard.errors.folder_problem`, as the Hugging Face callback's ``out_dir``); an
+        existing file unless the fit resumes, when it resumes one whose header is not this fit's
+        columns, and a path it cannot write (:func:`_check_writable`)."""
         assert self.csv is not None
         where = f"AmpGuardPlugin csv={_said(self.csv)}"
         try:
@@ -377,8 +383,6 @@ class AmpGuardPlugin(_LightningPrecision):
         problem = folder_problem(self.csv.parent)
         if problem is not None:
             raise InputError(f"{where}: {problem}")
-        if not trainer.is_global_zero:
-            return
         if not (self.csv.exists() and self.csv.stat().st_size > 0):
             _check_writable(self.csv, where)  # (an empty one is appended to, not rewritten)
             return

@@ -165,7 +165,8 @@ class AmpGuardCallback(TrainerCallback):
     checkpoint without ampguard's state, left out of the counts, as ``ampguard report`` leaves
     them out). An existing ``steps.csv`` is
     refused, never overwritten, except by a resume (``train(resume_from_checkpoint=...)``),
-    which appends after the checkpoint's step.
+    which appends after the checkpoint's step. Process 0's refusals of its files and their
+    folder are raised on every process alike, before HF's loop (the others never look at them).
 
     With :class:`GuardedTrainer` (which adds one of these if none is given) every row is the
     guard's record: loss, pre- and post-clip norm, scale, skips with their reason. On a stock
@@ -174,7 +175,7 @@ class AmpGuardCallback(TrainerCallback):
 
     Args:
         out_dir: where the files go (a leading ``~`` is the home folder, as in HF's ``output_dir``;
-            one this process cannot make or write in is refused when ``train()`` begins, before
+            one process 0 cannot make or write in is refused when ``train()`` begins, before
             anything trains); a hyperparameter search's trial (``trainer.hyperparameter_search``,
             ``train(trial=...)``) writes its own in ``<out_dir>/<run name>``, HF's name for the
             trial's run folder (``run-<trial number>``, or your ``hp_name``; a stock ``Trainer``
@@ -377,20 +378,22 @@ class AmpGuardCallback(TrainerCallback):
         if not callable(self.sinks):  # (before anything is trained: the first step would fail on them)
             self._refuse_closed(self.sinks)
         folder = None
-        if state.is_world_process_zero:  # the folder of the files: a retry goes on in its train()'s; a
-            # hyperparameter search's trial has one of its own
-            home = self._home or Path(args.output_dir) / "ampguard"
-            folder = self.out_dir if retry and self.out_dir is not None else home if state.trial_params is None \
-                else _trial_folder(home, self._trial or state.trial_name)
-            # refused in one line before anything is made or trained (the default <output_dir>/ampguard,
-            # never checked, raised mkdir's raw FileExistsError when it was a file; /proc/ampguard as root,
-            # a folder under a read-only one, passed and raised mkdir's raw error): errors.unwritable, as
-            # the Lightning plugin's csv= and log.wandb.dir are judged
-            problem = unwritable(folder)
-            if problem is not None:
-                raise InputError(f"AmpGuardCallback(out_dir=...): {problem}" if self._home is not None else
-                                 f"AmpGuardCallback: {problem} (the callback's default out_dir, "
-                                 f"<output_dir>/ampguard); give AmpGuardCallback(out_dir=...) a folder")
+        # process 0's verdict on its folder, raised on every process alike (the others never look at it)
+        with distributed.refused_on_every_rank():
+            if state.is_world_process_zero:  # the folder of the files: a retry goes on in its train()'s; a
+                # hyperparameter search's trial has one of its own
+                home = self._home or Path(args.output_dir) / "ampguard"
+                folder = self.out_dir if retry and self.out_dir is not None else home if state.trial_params is None \
+                    else _trial_folder(home, self._trial or state.trial_name)
+                # refused in one line before anything is made or trained (the default <output_dir>/ampguard,
+                # never checked, raised mkdir's raw FileExistsError when it was a file; /proc/ampguard as root,
+                # a folder under a read-only one, passed and raised mkdir's raw error): errors.unwritable, as
+                # the Lightning plugin's csv= and log.wandb.dir are judged
+                problem = unwritable(folder)
+                if problem is not None:
+                    raise InputError(f"AmpGuardCallback(out_dir=...): {problem}" if self._home is not None else
+                                     f"AmpGuardCallback: {problem} (the callback's default out_dir, "
+                                     f"<output_dir>/ampguard); give AmpGuardCallback(out_dir=...) a folder")
         if not self._guarded and state.is_world_process_zero:  # said where a HF user looks, not only in RUN.md
             warnings.warn(WATCH_ONLY, WatchOnlyWarning)
         if not self._guarded:  # (each attempt's first forward, each train()'s; one that raised left its hooks open)
@@ -445,24 +448,27 @@ class AmpGuardCallback(TrainerCallback):
                     sink.close()
             self._csv = self._events = None
         kept, had_csv = None, True
-        if folder is not None:  # (process 0's)
-            folder.mkdir(parents=True, exist_ok=True)
-            had_csv = (folder / CSV_NAME).exists()  # (a resume's rows go on after its rows, or begin here)
-            if retry:
-                kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
-            # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
-            goes_on = resume is not None or retry
-            with aside_taken_back(kept, folder / CSV_NAME, state.global_step):  # (a cut that fails: the rows set aside
-                # not left in both files; one made all the same keeps them in the copy, and says so)
-                self._csv = CsvSink(folder / CSV_NAME, append=goes_on, again=retry, keep_through=resume[0]
-                                    if resume is not None else state.global_step if retry else None)
-            # (each once made: a file refused as "already exists" is the user's, never taken back)
-            if not goes_on:
-                self._fresh.append(folder / CSV_NAME)
-            self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
-            if not goes_on:
-                self._fresh.append(folder / EVENTS_NAME)
-            self.out_dir = folder
+        # process 0's refusal of its files ("steps.csv already exists", a header a resume cannot append
+        # to) raised on every process alike, as the folder's above
+        with distributed.refused_on_every_rank():
+            if folder is not None:  # (process 0's)
+                folder.mkdir(parents=True, exist_ok=True)
+                had_csv = (folder / CSV_NAME).exists()  # (a resume's rows go on after its rows, or begin here)
+                if retry:
+                    kept = set_aside(folder / CSV_NAME, state.global_step, header=True)
+                # a resume appends (the CSV cut after the checkpoint's step); a fresh run refuses an existing file
+                goes_on = resume is not None or retry
+                with aside_taken_back(kept, folder / CSV_NAME, state.global_step):  # (a cut that fails: the rows
+                    # set aside not left in both files; one made all the same keeps them in the copy, and says so)
+                    self._csv = CsvSink(folder / CSV_NAME, append=goes_on, again=retry, keep_through=resume[0]
+                                        if resume is not None else state.global_step if retry else None)
+                # (each once made: a file refused as "already exists" is the user's, never taken back)
+                if not goes_on:
+                    self._fresh.append(folder / CSV_NAME)
+                self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
+                if not goes_on:
+                    self._fresh.append(folder / EVENTS_NAME)
+                self.out_dir = folder
         if retry:
             aside = f"; its {counted(kept[1], 'row')} moved to {kept[0].name}" if kept is not None else ""
             # the sinks this train() serves hold the abandoned attempt's steps too: each sets them aside as it can
