@@ -4,7 +4,8 @@ ranks, gloo): ``torchrun ... ranks_review48.py FRAMEWORK WORK TARGET...``.
 FRAMEWORK ``hf``: a ``GuardedTrainer`` per TARGET, its ``AmpGuardCallback(out_dir=TARGET)``;
 ``pl``: a Lightning ``strategy="ddp"`` fit per TARGET, its ``AmpGuardPlugin(csv=TARGET)``. Each
 fit is tried in turn: a refusal is one line on this rank's stderr (``ampguard: error: ...``, as
-the CLI writes it), a fit that trains a line ``trained TARGET`` on stdout; the ranks wait for
+the CLI writes it), a fit that trains a line ``trained TARGET`` on stdout (the last fit, given
+an MLflow sink on every rank: :func:`tracker_sinks`); the ranks wait for
 each other after each fit (:func:`in_step`). Then each rank exits 2, the CLI's input-error code
 (``ExitCode.BAD_INPUT``), when any fit was refused, else 0. A rank that went on into the
 training loop while another refused waits there until the other gives up waiting for it and
@@ -24,7 +25,15 @@ from ampguard import distributed
 from ampguard.errors import ExitCode, InputError
 
 
-def hf_fit(work: Path, target: str):
+def tracker_sinks(work: Path, framework: str) -> list:
+    """An MLflow sink (a file store under WORK), made on every rank, as a script that did not
+    heed "build them on process 0" makes it: process 0's logs; another's ends unused, said."""
+    from ampguard import MLflowSink
+
+    return [MLflowSink(tracking_uri=f"file:{work / 'mlruns'}", experiment=framework)]
+
+
+def hf_fit(work: Path, target: str, sinks: list):
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
     from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
@@ -38,11 +47,11 @@ def hf_fit(work: Path, target: str):
                              report_to=[], ddp_backend="gloo", disable_tqdm=True, save_strategy="no", bf16=True,
                              logging_steps=1)
     trainer = GuardedTrainer(model=model, args=args, train_dataset=data,
-                             ampguard=AmpGuardCallback(target, print_fn=lambda line: None))
+                             ampguard=AmpGuardCallback(target, print_fn=lambda line: None, sinks=sinks))
     return trainer.train
 
 
-def pl_fit(work: Path, target: str):
+def pl_fit(work: Path, target: str, sinks: list):
     import lightning as L
     from torch import nn
     from torch.nn import functional as F
@@ -67,7 +76,7 @@ def pl_fit(work: Path, target: str):
             d = torch.utils.data.TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
             return torch.utils.data.DataLoader(d, batch_size=2)
 
-    trainer = L.Trainer(max_steps=2, plugins=[AmpGuardPlugin("bf16-mixed", csv=target)], strategy="ddp", devices=2,
+    trainer = L.Trainer(max_steps=2, plugins=[AmpGuardPlugin("bf16-mixed", csv=target, sinks=sinks)], strategy="ddp", devices=2,
                         accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False)
     module = Module()
@@ -94,7 +103,8 @@ IN_STEP_S = 120
 def main(framework: str, work: Path, targets: list[str]) -> int:
     refused = False
     for case, target in enumerate(targets):
-        fit = (hf_fit if framework == "hf" else pl_fit)(work, target)
+        last = case == len(targets) - 1  # (the fit that trains: with tracker sinks on every rank)
+        fit = (hf_fit if framework == "hf" else pl_fit)(work, target, tracker_sinks(work, framework) if last else [])
         try:
             fit()
         except InputError as err:

@@ -69,6 +69,31 @@ def _check_every_rank_refused(done: Ended, refusals: list[str], trained: str) ->
     assert done.stdout.count(f"trained {trained}\n") == 2, (done.stdout, done.stderr[-3000:])
 
 
+def _tracker_runs(work: Path, framework: str) -> dict[str, int]:
+    """The MLflow runs of the fit that trained: ``{its 'ampguard.ended' tag: how many steps of loss}``."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # (MLflow 3 refuses a file store without)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{work / framework / 'mlruns'}")
+    runs = client.search_runs([client.get_experiment_by_name(framework).experiment_id])
+    return {run.data.tags.get("ampguard.ended", ""): len(client.get_metric_history(run.info.run_id, "train/loss"))
+            for run in runs}
+
+
+def _check_unserved_sinks(done: Ended, work: Path, framework: str, who: str) -> None:
+    """Review 48b L1: the tracker sink made on rank 1 ended at once, its run saying why (it read
+    "a start that was refused, or a sink never written"), a warning on rank 1; rank 0's logged."""
+    runs = _tracker_runs(work, framework)
+    assert len(runs) == 2 and runs.pop("this sink logged no step: it was given to process 1, and only process 0 "
+                                       "logs (build the tracker sinks on process 0 alone)") == 0, runs
+    assert list(runs.values()) == [2], runs  # rank 0's: both steps
+    stderr = _each_ranks_stderr(done)
+    warned = f"{who}: 1 tracker sink(s) given to process 1 were ended unused: only process 0 logs"
+    assert warned in stderr[1] and warned not in stderr[0], stderr[1][-3000:]
+
+
 def test_guarded_trainer_under_ddp_refuses_rank_0s_files_on_every_rank(launches, work):
     """An existing ``steps.csv`` in ``out_dir`` and an ``out_dir`` rank 0 cannot make (judged by
     ``errors.unwritable``): the same line on both ranks, exit 2 each, no rank in HF's collectives."""
@@ -81,6 +106,7 @@ def test_guarded_trainer_under_ddp_refuses_rank_0s_files_on_every_rank(launches,
     ], str(work / "hf" / "new"))
     assert kept.read_text() == "step\n"  # the user's file, untouched
     assert (work / "hf" / "new" / "steps.csv").read_text().count("\n") == 3  # rank 0 alone writes: a header, 2 rows
+    _check_unserved_sinks(done, work, "hf", "AmpGuardCallback")
 
 
 def test_lightning_plugin_under_ddp_refuses_rank_0s_csv_on_every_rank(launches, work):
@@ -95,3 +121,4 @@ def test_lightning_plugin_under_ddp_refuses_rank_0s_csv_on_every_rank(launches, 
     ], str(work / "pl" / "new" / "steps.csv"))
     assert kept.read_text() == "step\n"
     assert (work / "pl" / "new" / "steps.csv").read_text().count("\n") == 3
+    _check_unserved_sinks(done, work, "pl", "AmpGuardPlugin")

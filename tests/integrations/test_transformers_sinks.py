@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("mlflow")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
+from ampguard.errors import AmpguardWarning  # noqa: E402
 from ampguard.integrations.trackers import MLflowSink  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
 
@@ -245,16 +246,22 @@ def test_a_crashed_trains_sink_that_fails_to_end_at_the_next_train_is_a_warning_
     assert new.client.get_run(new.run_id).info.status == "FINISHED"
 
 
-def test_a_process_other_than_0_writes_no_row_and_ends_no_sink(tmp_path):
+def test_a_process_other_than_0_writes_no_row_and_ends_its_tracker_run_saying_why(tmp_path):
+    # (review 48b: sinks built on every process left one empty run a process, ended at exit "a start that
+    # was refused, or a sink never written")
     class NotZero(NanLossAt):
         def is_world_process_zero(self):
             return False
 
     sink = _sink(tmp_path)
-    _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=2, trainer_class=NotZero).train()
+    with pytest.warns(AmpguardWarning, match=r"^AmpGuardCallback: 1 tracker sink\(s\) given to process \d+ were ended "
+                                             r"unused: only process 0 logs"):
+        _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=2,
+                 trainer_class=NotZero).train()
     assert _history(sink, "train/skipped") == {}
-    assert sink.client.get_run(sink.run_id).info.status == "RUNNING"  # (its own process's to end: build it on 0)
-    sink.close()
+    run = sink.client.get_run(sink.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["ampguard.ended"].startswith("this sink logged no step: it was given to process ")
 
 
 def test_the_callbacks_files_are_the_artifacts_a_retrys_rows_among_them(tmp_path):

@@ -89,7 +89,7 @@ from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..sinks import CSV_COLUMNS, CsvSink, Sink, opened_without_waiting
 from ..step import Guard, check_settings
 from ..watch import first_forward_dtypes
-from .trackers import Outcome, end_sinks
+from .trackers import Outcome, end_sinks, end_unserved
 
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
 _NAMES = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
@@ -468,6 +468,8 @@ class AmpGuardPlugin(_LightningPrecision):
                 sinks.append(CsvSink(self.csv, self.guard.record_columns, append=resumed,
                                      keep_through=self._resumed_at if resumed else None))
             sinks += self.extra_sinks
+        else:  # (only rank 0 logs: a tracker run made here ends now, said)
+            end_unserved(self.extra_sinks, trainer.global_rank, "AmpGuardPlugin")
         return sinks
 
     def _hook_schedulers(self, module: pl.LightningModule) -> None:

@@ -165,6 +165,27 @@ def run_totals(result: RunResult) -> dict[str, Any]:
 NOTHING_SENT = "this sink logged no step: it ended before the first (a start that was refused, or a sink never written)"
 """A tracker run's ``ended`` when its sink ends it with no step and no run's totals sent."""
 
+NOT_PROCESS_0 = ("this sink logged no step: it was given to process {rank}, and only process 0 logs (build the "
+                 "tracker sinks on process 0 alone)")
+"""A tracker run's ``ended`` when a framework's loop ended it unused on another process
+(:func:`end_unserved`)."""
+
+
+def end_unserved(sinks: Sequence[Any], rank: int, who: str) -> None:
+    """The sinks ``who`` (a framework's loop) was given on process ``rank`` (not 0, which alone
+    logs): each tracker sink's run ends at once with an ``ended`` that says so
+    (:data:`NOT_PROCESS_0`; it read "a start that was refused, or a sink never written"), and a
+    warning says so once; the others (files of yours) are left as they are. Review 48b: sinks
+    built on every process left one empty FINISHED run a process on the dashboard, unexplained."""
+    trackers = [s for s in sinks if isinstance(s, TrackerSink) and not s._ended]
+    for sink in trackers:
+        sink._end(0, NOT_PROCESS_0.format(rank=rank))
+    if trackers:
+        from ..errors import AmpguardWarning
+
+        warnings.warn(f"{who}: {len(trackers)} tracker sink(s) given to process {rank} were ended unused: only "
+                      "process 0 logs; build them on process 0 alone (their runs say so in 'ended')", AmpguardWarning)
+
 
 class TrackerSink:
     """What the two tracker sinks share: a :class:`~ampguard.sinks.Sink` whose step row waits
@@ -263,16 +284,17 @@ class TrackerSink:
                 self._sent = max(self._sent, step)
                 self._low = step if self._low is None else min(self._low, step)
 
-    def _end(self, exit_code: int) -> None:
+    def _end(self, exit_code: int, unsent: str = NOTHING_SENT) -> None:
         """Send the row still held, then end the tracker run (once). A run that got no step and
         no totals (a sink given to a ``train()`` or fit refused at its start, then left open: the
-        script ended) is told so in its summary, ``ended``: on a dashboard an empty run FINISHED
-        said nothing of why. Not in a run it continued nor one you gave it (W&B's ``run=``)."""
+        script ended) is told so in its summary, ``ended`` (``unsent``: why): on a dashboard an
+        empty run FINISHED said nothing of why. Not in a run it continued nor one you gave it
+        (W&B's ``run=``)."""
         if not self._ended:
             try:
                 self._flush()
                 if not self._said:
-                    self._summary({"ended": NOTHING_SENT})
+                    self._summary({"ended": unsent})
             finally:  # (a row that cannot go out does not keep the run open)
                 self._ended = True
                 atexit.unregister(self._at_exit)
@@ -580,12 +602,28 @@ class MLflowSink(TrackerSink):
                                        order_by=["attributes.start_time DESC"], max_results=1)
         return runs[0].info.run_id if runs else None
 
+    def _experiment_id(self, experiment: str) -> str:
+        """The experiment's id, made if there is none. Another process may make it between the
+        look and the making (several processes' sinks opening together: "Experiment 'e' already
+        exists"): then it is looked up again."""
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(experiment)
+        except MlflowException:
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:  # (not the race: the store's own refusal)
+                raise
+            return exp.experiment_id
+
     def _create(self, experiment: str, run_name: str | None, tags: dict[str, str],
                 params: Mapping[str, Any] | None) -> str:
         from mlflow.entities import Param
 
-        exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
+        exp_id = self._experiment_id(experiment)
         run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
         flat = [Param(k, str(v)[:6000]) for k, v in flatten(params or {}).items()]
         for i in range(0, len(flat), 100):  # MLflow takes at most 100 params a batch

@@ -485,6 +485,10 @@ class AmpGuardCallback(TrainerCallback):
             self._given = list(self.sinks(state)) if callable(self.sinks) else list(self.sinks)
             self._refuse_closed(self._given)
         self._serving = self._given if state.is_world_process_zero else []
+        if not state.is_world_process_zero:  # (only process 0 logs: a tracker run made here ends now, said)
+            from .trackers import end_unserved
+
+            end_unserved(self._given, args.process_index, "AmpGuardCallback")
         if resume is not None:
             step, saved, source, _, _, scale_note = resume
             unseen = (f"the monitor observes from step {step + 1} (its counts and judgement leave steps 1 to {step} "
