@@ -267,7 +267,8 @@ def test_report_never_overwrites_what_is_not_a_plot(cli, tmp_path, steps_csv, un
     line = refused(cli("report", steps_csv.name, "--out", "folder.png"))
     assert line == "ampguard: error: report: --out folder.png is a folder"
     line = refused(cli("report", "data.png"))
-    assert line == "ampguard: error: report: the plot data.png is the CSV itself; refusing to overwrite it"
+    assert line == ("ampguard: error: report: data.png is named as a plot (.png) but holds no PNG: the plot beside it "
+                    "would be the CSV itself; give --out another .png, or --no-plot")
     check()
 
 
