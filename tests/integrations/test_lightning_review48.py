@@ -27,9 +27,15 @@ class ClampingDigits(Digits):
             p.grad.nan_to_num_(posinf=0.0, neginf=0.0)
 
 
-@pytest.mark.parametrize("hook", ["none", "callback", "module", "instance"])
+class ValueClippingDigits(Digits):  # (review 48e: a clip of one's own here made the inf finite, and the step applied)
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        torch.nn.utils.clip_grad_value_(self.parameters(), 1.0)
+
+
+@pytest.mark.parametrize("hook", ["none", "callback", "module", "instance", "clipping"])
 def test_an_inf_gradient_skips_its_step_whether_or_not_a_hook_clamps_it_first(hook):
-    module = (ClampingDigits if hook == "module" else Digits)(faults=["inf_grad@2"])
+    made = {"module": ClampingDigits, "clipping": ValueClippingDigits}.get(hook, Digits)
+    module = made(faults=["inf_grad@2"])
     if hook == "instance":  # (a hook set on the module itself, not its class)
         module.on_before_optimizer_step = lambda optimizer: [p.grad.nan_to_num_(posinf=0.0, neginf=0.0)
                                                              for p in module.parameters()]

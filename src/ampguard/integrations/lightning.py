@@ -989,19 +989,25 @@ def _at_its_limit(trainer: pl.Trainer) -> bool:
 
 
 def _hooks_see_gradients(model: pl.LightningModule) -> bool:
-    """Whether an ``on_before_optimizer_step`` of the module's or a callback's runs between the
-    backward and the guard's step. With no loss scaler, ``guard.unscale_()`` before them only
-    records what PyTorch's non-finite check finds (a hook that then clamps an inf still skips
-    the step); with none of them, the step's own check sees the same gradients, and that pass
-    over them (~7% of a small MLP's step) is left out."""
-    return _overrides(model, pl.LightningModule) or any(_overrides(cb, pl.Callback) for cb in model.trainer.callbacks)
+    """Whether code of the user's runs on the gradients between the backward and the guard's
+    step: an ``on_before_optimizer_step`` of the module's or a callback's, or the module's
+    ``configure_gradient_clipping`` (Lightning's ``_after_closure`` runs them). With no loss
+    scaler, ``guard.unscale_()`` before them only records what PyTorch's non-finite check finds
+    (a hook that then clamps an inf, ``nan_to_num_`` or ``clip_grad_value_``, still skips the
+    step); with none of them, the step's own check sees the same gradients, and that pass over
+    them (~7% of a small MLP's step) is left out."""
+    return (any(_overrides(model, pl.LightningModule, hook) for hook in _GRADIENT_HOOKS)
+            or any(_overrides(cb, pl.Callback, "on_before_optimizer_step") for cb in model.trainer.callbacks))
 
 
-def _overrides(obj: Any, base: type) -> bool:
-    """Whether ``obj`` has an ``on_before_optimizer_step`` other than ``base``'s (its class's, or
-    one set on it). A few attribute reads: not Lightning's ``is_overridden`` (~19 us)."""
-    return (getattr(type(obj), "on_before_optimizer_step", None) is not base.on_before_optimizer_step
-            or "on_before_optimizer_step" in vars(obj))
+_GRADIENT_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+"""The LightningModule's hooks that run between the backward and the optimizer step."""
+
+
+def _overrides(obj: Any, base: type, hook: str) -> bool:
+    """Whether ``obj`` has a ``hook`` other than ``base``'s (its class's, or one set on it). A few
+    attribute reads: not Lightning's ``is_overridden`` (~19 us)."""
+    return getattr(type(obj), hook, None) is not getattr(base, hook) or hook in vars(obj)
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:
