@@ -513,6 +513,13 @@ class _SetOnce:
         obj.__dict__[self.public] = value
 
 
+def _of_optimizers(names: tuple[str, ...], optimizers: Mapping[str, Any]) -> str:
+    """`` of optimizer "d"`` (``names``) where a guard has several, else nothing."""
+    if len(optimizers) == 1:
+        return ""
+    return f" of optimizer{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}"
+
+
 class UnsyncedReplicasWarning(AmpguardWarning):
     """Under several processes the ranks' gradients differ at the guard's first step: each rank
     applies its own (a model not wrapped in DDP or FSDP2), and the replicas drift apart."""
@@ -705,7 +712,8 @@ class Guard:
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
         self._modules, self._root, self._frozen_mode = modules, root, frozen
-        self._replicas_judged = False  # (under several ranks: do they apply the same gradients? the first step)
+        # (under several ranks: do they apply the same gradients? each optimizer's first step tells)
+        self._replicas_unjudged = set(optimizers)
         # the running statistics (BatchNorm's) each step's forward writes: put back on a skip
         self._running_stats = RunningStats(modules)
         _watch_registrations()
@@ -759,7 +767,7 @@ class Guard:
         self.__dict__.update(state)
         self.__dict__.setdefault("_half_loss_said", False)  # (a guard pickled before they were kept)
         self.__dict__.setdefault("_half_said", True)
-        self.__dict__.setdefault("_replicas_judged", False)
+        self.__dict__.setdefault("_replicas_unjudged", set())
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
         self._running_stats = RunningStats(getattr(self, "_modules", []))
@@ -1342,27 +1350,30 @@ class Guard:
         if early:
             norms = self._found_at_unscale(names, early, norms)
         (loss, mark, pre, *each), origin = distributed.agree(loss, [self._loss_mark, *norms])
-        if not self._replicas_judged:
-            self._judge_replicas(pre)
+        if self._replicas_unjudged and not self._replicas_unjudged.isdisjoint(names):
+            self._judge_replicas(pre, names)
         return grads, loss, mark, pre, each, origin
 
-    def _judge_replicas(self, pre: torch.Tensor) -> None:
-        """Once, at the first step whose gradient norm is finite on every rank: under several
-        processes, ranks whose norms differ apply their gradients each as its own (a model not
-        wrapped in DDP or FSDP2, or the one from before ``accelerator.prepare``): the guard would
-        tie their skips and average their losses into one record while the replicas drift apart,
-        so it says so (:class:`UnsyncedReplicasWarning`). One all-reduce and one host read."""
+    def _judge_replicas(self, pre: torch.Tensor, names: tuple[str, ...]) -> None:
+        """Once an optimizer, at its first step whose gradient norm is finite and not 0 on every
+        rank: under several processes, ranks whose norms differ apply their gradients each as its
+        own (a model not wrapped in DDP or FSDP2, or the one from before ``accelerator.prepare``):
+        the guard would tie their skips and average their losses into one record while the
+        replicas drift apart, so it says so (:class:`UnsyncedReplicasWarning`). One all-reduce
+        and one host read, at that step (and at each before it that skipped, or whose gradients
+        were all 0); a GAN's second optimizer, stepped on its own, is judged at its first step."""
         seen = distributed.norm_range(pre)
         if seen is None:  # (a world of one)
-            self._replicas_judged = True
+            self._replicas_unjudged.clear()
             return
         low, high = seen
-        if not (math.isfinite(low) and math.isfinite(high)):  # (a step that skips: judged at a later one)
+        if not (math.isfinite(low) and math.isfinite(high) and high > 0):  # (a skip, or no gradient yet to tell by)
             return
-        self._replicas_judged = True
+        self._replicas_unjudged.difference_update(names)
         if high - low > distributed.REPLICA_SPREAD * high:
             warnings.warn(UnsyncedReplicasWarning(
-                f"the ranks' gradient norms differ at step {self.steps} ({low:.6g} to {high:.6g}): each rank applies "
+                f"the ranks' gradient norms{_of_optimizers(names, self.optimizers)} differ at step {self.steps} "
+                f"({low:.6g} to {high:.6g}): each rank applies "
                 f"its own gradients, so the replicas drift apart while the guard ties their skips and averages "
                 f"their losses into one record; wrap the model (DistributedDataParallel, fully_shard) and give the "
                 f"guard the wrapped one (Accelerate: the model accelerator.prepare returned), or all-reduce the "

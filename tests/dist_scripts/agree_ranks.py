@@ -49,7 +49,8 @@ def _steps(rank: int, sync_free: bool) -> list[tuple]:
 def _replicas(rank: int) -> dict[str, list[tuple[str, str]]]:
     """Three steps of a guard a case, each rank's batches its own: over a model each rank trains
     as its own (``own``), the same with rank 1's first loss NaN (``first_skips``: judged at the
-    first finite step), and over it wrapped in DDP (``ddp``). The UnsyncedReplicasWarnings each
+    first finite step) or every first gradient 0 (``first_zero``: nothing to tell by), and over
+    it wrapped in DDP (``ddp``); then a GAN (``gan``). The UnsyncedReplicasWarnings each
     case gave: (message, file named)."""
     import warnings
 
@@ -59,9 +60,9 @@ def _replicas(rank: int) -> dict[str, list[tuple[str, str]]]:
     from ampguard import AmpTrainState, UnsyncedReplicasWarning
 
     seen = {}
-    for case in ("own", "first_skips", "ddp"):
+    for case in ("own", "first_skips", "first_zero", "ddp"):
         torch.manual_seed(0)
-        model = torch.nn.Linear(4, 1)
+        model = torch.nn.Linear(4, 1, bias=case != "first_zero")
         guarded = DistributedDataParallel(model) if case == "ddp" else model
         state = AmpTrainState(guarded, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="fp32")
         x, y = torch.full((2, 4), 1.0 + rank), torch.zeros(2, 1)
@@ -69,8 +70,32 @@ def _replicas(rank: int) -> dict[str, list[tuple[str, str]]]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(1, 4):
-                state.step(x, nan if case == "first_skips" and step == 1 else y)
+                if case == "first_zero" and step == 1:  # (no gradient to tell by: every norm 0)
+                    state.step(torch.zeros(2, 4), y)
+                else:
+                    state.step(x, nan if case == "first_skips" and step == 1 else y)
         seen[case] = [(str(w.message), w.filename) for w in caught if issubclass(w.category, UnsyncedReplicasWarning)]
+    # a GAN's two optimizers each stepped on its own, D's model in DDP first, G's left unwrapped: G's first step tells
+    from ampguard import Guard
+
+    torch.manual_seed(0)
+    d, g = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+    ddp_d = DistributedDataParallel(d)
+    guard = Guard([ddp_d, g], {"d": torch.optim.SGD(d.parameters(), lr=0.1),
+                               "g": torch.optim.SGD(g.parameters(), lr=0.1)}, precision="fp32")
+    x = torch.full((2, 4), 1.0 + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with guard.autocast():
+                loss = F.mse_loss(ddp_d(x), torch.zeros(2, 1))
+            guard.backward(loss)
+            guard.step("d")
+            with guard.autocast():
+                loss = g(x).square().mean()
+            guard.backward(loss)
+            guard.step("g")
+    seen["gan"] = [(str(w.message), w.filename) for w in caught if issubclass(w.category, UnsyncedReplicasWarning)]
     return seen
 
 

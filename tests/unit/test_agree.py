@@ -93,8 +93,11 @@ def test_a_model_each_rank_trains_as_its_own_is_said_once_one_in_ddp_is_not(rank
     for rank in (0, 1):
         seen = ranks[rank]["replicas"]
         assert seen["ddp"] == []  # (DDP's all-reduced gradients: the same norm on every rank)
-        for case, step in (("own", 1), ("first_skips", 2)):  # (a step that skips is not judged: the next is)
+        for case, step in (("own", 1), ("first_skips", 2), ("first_zero", 2)):  # (a step that skips is not judged: the next is)
             [(message, where)] = seen[case]
             assert message.startswith(f"the ranks' gradient norms differ at step {step} (")
             assert "wrap the model (DistributedDataParallel, fully_shard)" in message
             assert where.endswith("agree_ranks.py")  # (the user's line, not ampguard's)
+        # (review 48e: a GAN whose D, in DDP, stepped first was judged by D's step alone; G drifted unsaid)
+        [(message, _)] = seen["gan"]
+        assert message.startswith("the ranks' gradient norms of optimizer 'g' differ at step 2 ("), message
