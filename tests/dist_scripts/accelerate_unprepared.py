@@ -1,6 +1,8 @@
-"""Under ``accelerate launch`` (2 CPU processes): ``make_guard`` given the model from before
-``accelerator.prepare`` (which wrapped it in DDP) is refused; the one prepare returned is taken.
-Each process prints ``rank N: refused: <message>`` and ``rank N: taken``."""
+"""Under ``accelerate launch`` (2 CPU processes): ``make_guard`` given a model from before
+``accelerator.prepare`` (which wrapped it in DDP), or the module inside what it returned, is
+refused, alone or among a GAN's models (a dict, an ``nn.ModuleList``); the models prepare
+returned are taken. Each process prints ``rank N: CASE refused: <message>`` or ``rank N: CASE
+taken``."""
 
 import torch
 from accelerate import Accelerator
@@ -9,14 +11,24 @@ from ampguard import distributed
 from ampguard.integrations.accelerate import make_guard
 
 accelerator = Accelerator(mixed_precision="no", cpu=True)
-model = torch.nn.Linear(4, 1)
-prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
 rank = accelerator.process_index
-try:
-    make_guard(accelerator, model, optimizer, precision="fp32")
-except ValueError as err:
-    print(f"rank {rank}: refused: {err}", flush=True)
-make_guard(accelerator, prepared, optimizer, precision="fp32")
-print(f"rank {rank}: taken ({type(prepared).__name__})", flush=True)
+d, g = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+od, og = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
+prepared_d, prepared_g, od, og = accelerator.prepare(d, g, od, og)
+cases = {
+    "before": (d, od),
+    "inside": (accelerator.unwrap_model(prepared_d), od),
+    "gan_dict_before": ({"d": prepared_d, "g": g}, {"d": od, "g": og}),
+    "gan_modulelist_before": (torch.nn.ModuleList([d, g]), [od, og]),
+    "prepared": (prepared_d, od),
+    "gan_dict_prepared": ({"d": prepared_d, "g": prepared_g}, {"d": od, "g": og}),
+}
+for case, (models, optimizers) in cases.items():
+    try:
+        make_guard(accelerator, models, optimizers, precision="fp32", register_state=False)
+    except ValueError as err:
+        print(f"rank {rank}: {case} refused: {err}", flush=True)
+    else:
+        print(f"rank {rank}: {case} taken", flush=True)
 accelerator.wait_for_everyone()
 distributed.shutdown()

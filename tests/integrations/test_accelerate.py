@@ -242,8 +242,12 @@ def test_make_guard_refuses_the_model_from_before_prepare_on_every_process(launc
     done = launches["unprepared"]
     assert done.rc == 0, done.stderr[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank}: refused: make_guard got the Linear from before accelerator.prepare" in done.stdout
-        assert f"rank {rank}: taken (DistributedDataParallel)" in done.stdout
+        for case in ("before", "inside", "gan_dict_before", "gan_modulelist_before"):
+            # (review 48e: a GAN's dict or ModuleList of models from before prepare was taken)
+            assert f"rank {rank}: {case} refused: make_guard got the Linear from before accelerator.prepare " \
+                   f"(or from inside what it returned)" in done.stdout, done.stdout
+        for case in ("prepared", "gan_dict_prepared"):
+            assert f"rank {rank}: {case} taken" in done.stdout, done.stdout
 
 
 def _guarded_run(folder: Path, micro_batches: int, *, load: Path | None = None, **accelerator_kw):

@@ -15,6 +15,7 @@ Needs the ``accelerate`` extra (``pip install 'ampguard[accelerate]'``) only for
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -178,11 +179,14 @@ def _check_world(accelerator: Any) -> None:
 
 
 def _check_prepared(accelerator: Any, model: Any) -> None:
-    """Refuse the model from before ``accelerator.prepare`` where prepare wrapped it (DDP over
-    several processes): its gradients are never all-reduced, so each process would train its own
-    replica while the guard tied their skips into one record (review 48b). Accelerate keeps the
-    model it was given among its models and marks the one it returns as prepared; a model
-    prepare returned as it was (one process, FSDP2's in-place shards) carries the mark itself.
+    """Refuse a model from before ``accelerator.prepare`` where prepare wrapped it (DDP over
+    several processes), or the module inside the wrapper: the guard's model is the one the loop's
+    forward runs and whose all-reduce it defers mid-group, and the one inside is never
+    all-reduced by itself (each process would train its own replica while the guard tied their
+    skips into one record, review 48b). Accelerate keeps the model it was given among its models
+    and marks the one it returns as prepared; a model prepare returned as it was (one process,
+    FSDP2's in-place shards) carries the mark itself. Each of a list or dict of models (a GAN's),
+    and the modules inside one (an ``nn.ModuleList`` of them), outside a prepared one, is looked at.
 
     Example (nothing prepared: nothing to compare)::
 
@@ -191,13 +195,33 @@ def _check_prepared(accelerator: Any, model: Any) -> None:
     """
     if getattr(accelerator, "num_processes", 1) <= 1:
         return
-    prepared = getattr(accelerator, "_models", None) or []
-    for given in model if isinstance(model, (list, tuple)) else [model]:
-        if any(p is given for p in prepared) and not getattr(given, "_is_accelerate_prepared", False):
-            raise ValueError(f"make_guard got the {type(given).__name__} from before accelerator.prepare, which wrapped "
-                             "it for several processes: give the guard (and the loop's forward) the model prepare "
-                             "returned (model, opt, data = accelerator.prepare(model, opt, data)); the one before it "
-                             "never all-reduces its gradients")
+    given = {id(m) for m in getattr(accelerator, "_models", None) or []}
+    if not given:
+        return
+    models = model.values() if isinstance(model, Mapping) else model if isinstance(model, (list, tuple)) else [model]
+    for each in models:
+        found = _inside_unprepared(each, given)
+        if found is not None:
+            raise ValueError(f"make_guard got the {type(found).__name__} from before accelerator.prepare (or from inside "
+                             "what it returned), which prepare wrapped for several processes: give the guard, and the "
+                             "loop's forward, the model prepare returned (model, opt, data = accelerator.prepare(model, "
+                             "opt, data)): the one inside is never all-reduced by itself, and the guard defers the "
+                             "wrapper's all-reduce mid-group")
+
+
+def _inside_unprepared(module: Any, given: set[int]) -> Any:
+    """The first module under ``module`` (itself included) that Accelerate was given to prepare
+    but that is not what prepare returned (``given``: the ids of the models it was given), not
+    looking inside a prepared one; None when there is none."""
+    if getattr(module, "_is_accelerate_prepared", False):
+        return None
+    if id(module) in given:
+        return module
+    for child in module.children() if isinstance(module, torch.nn.Module) else ():
+        found = _inside_unprepared(child, given)
+        if found is not None:
+            return found
+    return None
 
 
 class GuardState:
