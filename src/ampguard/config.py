@@ -1190,6 +1190,10 @@ class Config(_Section):
         if self.fp32_modules and self.precision == "fp8":
             raise ValueError("fp32_modules: under fp8 keep layers out of float8 with fp8.exclude (fp32_modules is for "
                              "fp16 and bf16)")
+        opt = self.optimizer
+        if opt.name == "adamw" and opt.lr / (1 - opt.betas[0]) > MAX_SCALE:  # (1e38 with beta1 0.9: a traceback)
+            raise ValueError(f"optimizer.lr: AdamW's first step scales it by 1 / (1 - betas[0]) ({opt.lr:g} / "
+                             f"{1 - opt.betas[0]:g}), past the largest float32 ({MAX_SCALE:.6g}): make it smaller")
         decay = self.optimizer.lr * self.optimizer.weight_decay
         if self.optimizer.name == "adamw" and decay >= 1:  # (1e300 applied step 1, then every loss was NaN)
             raise ValueError(f"optimizer.weight_decay: AdamW multiplies every weight by 1 - lr x weight_decay each step "

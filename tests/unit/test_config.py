@@ -384,6 +384,15 @@ def test_a_setting_the_step_applies_to_float32_tensors_is_at_most_the_largest_fl
     assert load_config(None, [f"{key}={biggest!r}", "optimizer.name=sgd"]) is not None  # (the edge itself: taken)
 
 
+def test_adamw_refuses_an_lr_its_first_step_scales_past_float32():
+    # (review 48e: lr=1e38 passed the float32 cap, then AdamW's lr / (1 - beta1) = 1e39 raised at step 1)
+    with pytest.raises(ConfigError, match=r"^config: optimizer.lr: AdamW's first step scales it by 1 / \(1 - betas\[0\]\) "
+                                          r"\(1e\+38 / 0.1\), past the largest float32"):
+        load_config(None, ["optimizer.lr=1e38", "optimizer.weight_decay=0"])
+    assert load_config(None, ["optimizer.lr=3e37", "optimizer.weight_decay=0"]).optimizer.lr == 3e37
+    assert load_config(None, ["optimizer.name=sgd", "optimizer.lr=1e38"]).optimizer.lr == 1e38
+
+
 def test_adamw_refuses_a_decay_that_zeroes_or_flips_the_weights_and_sgd_takes_it():
     # (review 48c: weight_decay 1e300 applied step 1, every weight non-finite, then every step skipped, exit 0)
     with pytest.raises(ConfigError, match=r"^config: optimizer.weight_decay: AdamW multiplies every weight by "
