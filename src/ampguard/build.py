@@ -27,13 +27,13 @@ from torch.utils._pytree import tree_map_only
 from .clipping import clip_threshold
 from .config import Config
 from .errors import AmpguardWarning, InputError, counted, first_line, listed, user_code
-from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, HeadroomCsv
+from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, HeadroomCsv, check_headroom_rows
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
 from .precision import Precision, keep_in_fp32, release_fp32, scale_in_use, submodule
 from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
-from .sinks import ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
+from .sinks import OFF_LOG, ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
 from .step import AmpTrainState
 from .tasks.base import FIRST_BATCHES
 from .untouched import not_made, untouched
@@ -624,12 +624,44 @@ def to_device(value: Any, device: torch.device) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), value)
 
 
-def _tensorboard_logged(log_dir: Path) -> bool:
-    """Whether ``log_dir`` holds TensorBoard event files an earlier attempt wrote, and the
-    ``tensorboard`` package is here to purge their later steps (without it nothing can read them
-    here either: left as they are)."""
-    return log_dir.is_dir() and any(log_dir.glob("events.out.tfevents.*")) and \
-        importlib.util.find_spec("tensorboard") is not None
+def _cut_back_logs_off(config: Config, paths: RunPaths, keep_through: int | None, headroom: Headroom | None) -> None:
+    """A resume that turned an optional log off (``log.jsonl``, ``log.tensorboard``, the headroom
+    monitor): what an earlier attempt left of it after ``keep_through`` is the abandoned run's,
+    so it is cut back (TensorBoard's purged) where it reads as this run's log. One that does not
+    (another file in its place, a damaged row, a symbolic link: not this run's to cut;
+    TensorBoard's without the ``tensorboard`` package) is left as it is, said in a warning: the
+    run neither writes nor reads it, so it refuses nothing for it (review 48e)."""
+    if keep_through is None or paths.dir is None:
+        return
+
+    def cut(path: Path, how: Callable[[Path], None]) -> None:
+        if not (path.exists() or path.is_symlink()):
+            return
+        try:
+            if path.is_symlink():
+                raise InputError("it is a symbolic link: not this run's to cut")
+            how(path)
+        except InputError as err:
+            why = first_line(str(err)).removeprefix(f"{path}: ")
+            warnings.warn(f"{path} is left as it is, its steps after {keep_through} the abandoned run's: {why}",
+                          AmpguardWarning, stacklevel=2)
+
+    def purge(log_dir: Path) -> None:
+        if log_dir.is_dir() and any(log_dir.glob("events.out.tfevents.*")):
+            if importlib.util.find_spec("tensorboard") is None:
+                raise InputError("the tensorboard package, which would purge them, is not installed")
+            TensorBoardSink.purge_after(log_dir, keep_through)
+
+    def headroom_rows(path: Path) -> None:
+        CsvSink.check_header(path, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS), f"cannot cut it back {OFF_LOG}")
+        CsvSink.cut_after(path, len(HEADROOM_COLUMNS), keep_through, OFF_LOG, read_back=check_headroom_rows)
+
+    if not config.log.jsonl:
+        cut(paths.dir / "steps.jsonl", lambda path: JsonlSink.cut_after(path, keep_through, OFF_LOG))
+    if not config.log.tensorboard:
+        cut(paths.dir / "tensorboard", purge)
+    if headroom is None:
+        cut(paths.dir / HEADROOM_CSV, headroom_rows)
 
 
 def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], console: ConsoleSink,
@@ -638,7 +670,7 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
     optional JSON lines and TensorBoard sinks (cut or purged after ``keep_through`` the same way),
     ``headroom.csv`` with ``headroom``, the W&B and MLflow sinks, and the console. A resume that
     turned one of the optional logs off still cuts back (purges) what an earlier attempt left of
-    it after ``keep_through``: those steps are the abandoned timeline's."""
+    it after ``keep_through`` (:func:`_cut_back_logs_off`)."""
     append = keep_through is not None
     # log.wandb, log.mlflow (rank 0's folder only) first: a tracker that refuses at its open (a
     # store gone since the up-front check) does so before a resume has cut back any log
@@ -649,17 +681,11 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
             sinks.append(CsvSink(paths.csv, metrics, append=append, keep_through=keep_through))
         if config.log.jsonl and paths.steps_jsonl is not None:
             sinks.append(JsonlSink(paths.steps_jsonl, append=append, keep_through=keep_through))
-        elif keep_through is not None and paths.steps_jsonl is not None and paths.steps_jsonl.is_file():
-            JsonlSink.cut_after(paths.steps_jsonl, keep_through)  # (off now: its later lines, the abandoned timeline's)
         if config.log.tensorboard and paths.tensorboard is not None:
             sinks.append(TensorBoardSink(paths.tensorboard, keep_through=keep_through))
-        elif keep_through is not None and paths.tensorboard is not None and _tensorboard_logged(paths.tensorboard):
-            TensorBoardSink.purge_after(paths.tensorboard, keep_through)  # (the same, for TensorBoard's reader)
         if headroom is not None and paths.dir is not None:
             sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
-        elif keep_through is not None and paths.dir is not None and (paths.dir / HEADROOM_CSV).is_file():
-            # a resume with the monitor off: the rows after the step are the abandoned timeline's
-            CsvSink.cut_after(paths.dir / HEADROOM_CSV, len(HEADROOM_COLUMNS), keep_through)
+        _cut_back_logs_off(config, paths, keep_through, headroom)
     except BaseException as err:  # the tracker runs end with the run, which ends here
         end_trackers(trackers, err)
         raise

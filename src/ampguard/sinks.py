@@ -482,6 +482,9 @@ def _check_keep_through(keep_through: int | None) -> None:
 
 
 RESUME, ATTEMPT = "to resume", "for the loop's new attempt"
+OFF_LOG = "for the resume"
+"""A cut's purpose for a log the resumed run turned off (it neither writes nor reads it): the
+rows after the step cut back, and a refusal says it "cannot cut it back for the resume"."""
 """What a log is cut back to a step for (:func:`_cut`'s ``purpose``): a resume from a checkpoint,
 or a training loop that began again there (:meth:`_LineFile.begin_again`, ``CsvSink(again=True)``)."""
 
@@ -822,9 +825,10 @@ class CsvSink(_LineFile):
         self.rows = 0
 
     @staticmethod
-    def check_header(path: Path, columns: tuple[str, ...], expected: str) -> None:
+    def check_header(path: Path, columns: tuple[str, ...], expected: str, doing: str = "cannot append") -> None:
         """One :class:`InputError` line unless the CSV at ``path`` (if any) has the header
-        ``columns`` (``expected`` names them, for the error). A resume checks every file it
+        ``columns`` (``expected`` names them, for the error; ``doing``: what it says cannot be
+        done). A resume checks every file it
         appends to before it cuts any (``Trainer``): a refused resume changes none of them.
 
         Example::
@@ -849,11 +853,11 @@ class CsvSink(_LineFile):
             with path.open(newline="", encoding="utf-8") as f:
                 header = tuple(next(csv.reader(f), ()))
         except (UnicodeDecodeError, csv.Error) as err:
-            raise InputError(f"{path}: not a CSV this run wrote ({first_line(err)}), cannot append") from None
+            raise InputError(f"{path}: not a CSV this run wrote ({first_line(err)}), {doing}") from None
         if header != columns:
             bom = header[:1] and header[0].startswith("\ufeff")  # (report reads past one; an append cannot)
             said = " (it starts with a byte-order mark: saved again by a spreadsheet?)" if bom else ""
-            raise InputError(f"{path}: its header does not match {expected}{said}, cannot append")
+            raise InputError(f"{path}: its header does not match {expected}{said}, {doing}")
 
     def begin_again(self, step: int) -> str | None:
         before = _log_identity(self.path)
@@ -902,12 +906,14 @@ class CsvSink(_LineFile):
         self.cut_after(self.path, len(self.columns), step, purpose)
 
     @staticmethod
-    def cut_after(path: Path, width: int, step: int, purpose: str = RESUME) -> None:
+    def cut_after(path: Path, width: int, step: int, purpose: str = RESUME,
+                  read_back: Callable[[Path, bytes, str], None] | None = None) -> None:
         """The rows of the CSV at ``path`` (``width`` cells each) after ``step`` dropped, as
-        :meth:`_truncate_after` drops them: for a log a resume cuts back but does not append to
-        (``headroom.csv`` when the resumed run has the monitor off: its rows after the step are of
-        the abandoned timeline). A CSV that is a link stays one, its target cut."""
-        _cut(path, CsvSink.kept_rows(path, width, step, purpose=purpose), step, purpose)
+        :meth:`_truncate_after` drops them, each kept one checked by ``read_back`` if given
+        (:meth:`kept_rows`): for a log a resume cuts back but does not append to (``headroom.csv``
+        when the resumed run has the monitor off: its rows after the step are of the abandoned
+        timeline). A CSV that is a link stays one, its target cut."""
+        _cut(path, CsvSink.kept_rows(path, width, step, purpose=purpose, read_back=read_back), step, purpose)
 
     @staticmethod
     def kept_rows(path: Path, width: int, step: int, first: int | None = None, purpose: str = RESUME,
@@ -1185,8 +1191,8 @@ class JsonlSink(_LineFile):
         A file whose first line is not a step record is no step log: refused (as
         :class:`CsvSink` refuses a header that does not match), and left as it is. For the file
         a resume appends to, and for one it does not (``log.jsonl`` turned off: its lines after
-        the step are the abandoned timeline's)."""
-        cls.check_step_log(path)
+        the step are the abandoned timeline's: ``purpose`` :data:`OFF_LOG`)."""
+        cls.check_step_log(path, "cannot append" if purpose == RESUME else _refused(purpose))
         lines = path.read_bytes().splitlines(keepends=True)
         keep = 0  # how many lines stay
         for line in lines:
@@ -1197,17 +1203,17 @@ class JsonlSink(_LineFile):
         _cut(path, b"".join(lines[:keep]), step, purpose)  # (a link stays one)
 
     @staticmethod
-    def check_step_log(path: Path) -> None:
+    def check_step_log(path: Path, doing: str = "cannot append") -> None:
         """One :class:`InputError` line unless the file at ``path`` (if any) starts with a step
         record: what a resume appends to (checked before any file is cut, as
-        :meth:`CsvSink.check_header`)."""
+        :meth:`CsvSink.check_header`); ``doing``: what it says cannot be done."""
         if not _has_lines(path):
             return
         with path.open("rb") as f:
             first = f.readline(1 << 20)
         if _record_step(first) is None:
             raise InputError(f"{path}: its first line is not a step record (a JSON object with an "
-                             "integer \"step\"), cannot append")
+                             f"integer \"step\"), {doing}")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         if record is None:

@@ -281,9 +281,8 @@ class Trainer:
         before any is cut, each CSV row it keeps included: a refused resume changes none of them."""
         columns = CSV_COLUMNS + self.evaluator.metrics
         csvs = [(paths.csv, columns, f"this run's columns ({', '.join(self.evaluator.metrics) or 'no metrics'})", None)]
-        headroom = paths.dir / HEADROOM_CSV
-        if self.headroom is not None or headroom.is_file():  # (cut back with the monitor off too: build_sinks)
-            csvs.append((headroom, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS), check_headroom_rows))
+        if self.headroom is not None:  # (with the monitor off, build._cut_back_logs_off cuts it back where it can)
+            csvs.append((paths.dir / HEADROOM_CSV, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS), check_headroom_rows))
         for path, names, expected, read_back in csvs:
             CsvSink.check_header(path, names, expected)
             if path is not None and path.is_file():  # (steps.csv: every step from 1 to the checkpoint's)
@@ -294,7 +293,7 @@ class Trainer:
                     reached = [p for p in list_checkpoints(paths.checkpoints) if checkpoint_step(p) <= short.last]
                     way = f"; --resume {reached[-1]} goes on from there" if reached else ""
                     raise InputError(f"{short}{way}") from None
-        if self.config.log.jsonl or paths.steps_jsonl.is_file():  # (cut back with log.jsonl off too: build_sinks)
+        if self.config.log.jsonl:
             JsonlSink.check_step_log(paths.steps_jsonl)
 
     def _check_model(self, model: torch.nn.Module) -> list[str]:

@@ -92,14 +92,26 @@ def test_a_resume_with_the_logs_turned_off_still_cuts_back_their_abandoned_steps
     assert [int(r["step"]) for r in read_rows(run / "steps.csv")] == list(range(1, 9))
 
 
-def test_a_resume_with_log_jsonl_off_refuses_a_steps_jsonl_that_is_no_step_log(tmp_path, snapshot):
+@pytest.mark.parametrize("kind", ["no step log", "a link"])
+def test_a_resume_with_log_jsonl_off_leaves_a_steps_jsonl_it_cannot_cut_back_and_says_so(tmp_path, kind):
+    # (review 48e: the run neither writes nor reads it: no step log in its place refused the resume,
+    # "cannot append"; a link to another run's had that run's file cut)
     ok(helpers.train(tmp_path, "r", *RUN, "--set", "log.jsonl=true"))
     run = tmp_path / "r"
-    (run / "steps.jsonl").write_text("not a step record\n", encoding="utf-8")
-    before = snapshot(run)
-    line = helpers.one_error_line(ag("train", "--resume", run, "--set", "log.jsonl=false"))
-    assert "steps.jsonl: its first line is not a step record" in line, line
-    assert snapshot(run) == before
+    (run / "checkpoints" / "step-00000008.pt").unlink()
+    if kind == "no step log":
+        (run / "steps.jsonl").write_text("not a step record\n", encoding="utf-8")
+    else:
+        other = tmp_path / "other.jsonl"
+        other.write_bytes((run / "steps.jsonl").read_bytes())
+        (run / "steps.jsonl").unlink()
+        (run / "steps.jsonl").symlink_to(other)
+    before = (run / "steps.jsonl").read_bytes()
+    code, out, err = ag("train", "--resume", run, "--set", "log.jsonl=false")
+    assert code == 0 and "RESUME 4" in out, err
+    assert f"ampguard: warning: {run / 'steps.jsonl'} is left as it is, its steps after 4 the abandoned run's: " \
+        in err, err
+    assert (run / "steps.jsonl").read_bytes() == before
 
 
 @pytest.mark.parametrize("spoiled", ["steps.jsonl", "headroom.csv"])
