@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map, tree_map_only
 from torch import nn
 
-from .errors import ExitCode, InputError
+from .errors import ExitCode, InputError, first_line
 
 
 @dataclass(frozen=True)
@@ -333,24 +333,25 @@ calls them different (:func:`norm_range`): DDP's all-reduced gradients, FSDP2's 
 loop's own all-reduce give every rank the same norm (bit for bit on one kind of device)."""
 
 
-def norm_range(norm: torch.Tensor) -> tuple[float, float] | None:
-    """The lowest and the highest of the ranks' gradient ``norm`` (one all-reduce, one host
-    read), None in a world of one. Ranks that apply their gradients each as its own (a model
-    not wrapped in DDP or FSDP2, or the one from before ``accelerator.prepare``) read apart
-    (:data:`REPLICA_SPREAD`): the guard asks once, at its first step whose norm is finite.
+def norm_range(norms: Sequence[torch.Tensor]) -> list[tuple[float, float]] | None:
+    """The lowest and the highest of the ranks' gradient norm, for each of ``norms`` (one
+    all-reduce, one host read), None in a world of one. Ranks that apply their gradients each as
+    its own (a model not wrapped in DDP or FSDP2, or the one from before ``accelerator.prepare``)
+    read apart (:data:`REPLICA_SPREAD`): the guard asks at each optimizer's first step whose
+    norm is finite and not 0.
 
     Example (no process group)::
 
-        >>> norm_range(torch.tensor(3.0)) is None
+        >>> norm_range([torch.tensor(3.0)]) is None
         True
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    value = norm.detach().reshape(()).to(torch.float32)
-    packed = torch.stack([value, -value])
+    values = torch.stack([n.detach().reshape(()).to(torch.float32) for n in norms])
+    packed = torch.cat([values, -values])
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    high, neg_low = packed.tolist()
-    return -neg_low, high
+    seen = packed.tolist()
+    return [(-seen[len(norms) + i], seen[i]) for i in range(len(norms))]
 
 
 NAMED_RANKS = 24
@@ -558,11 +559,13 @@ def first_error(message: str | None) -> str | None:
 
 @contextlib.contextmanager
 def refused_on_every_rank() -> Iterator[None]:
-    """Around what one rank alone does (rank 0's files): an :class:`InputError` it raises is
-    raised on every rank alike (:func:`first_error`), the others with its words, so no rank goes
-    on into a collective the refused one never joins (a refusal on rank 0 alone left rank 1 in
-    the framework's first collective: "Connection closed by peer", under NCCL a wait). Every
-    rank enters it (a collective at its end).
+    """Around what one rank alone does (rank 0's files): an error it raises is raised on every
+    rank alike (one all-gather of its first line at the block's end), so no rank goes on into a
+    collective the failed one never joins (a refusal on rank 0 alone left rank 1 in the
+    framework's first collective: "Connection closed by peer", under NCCL a wait). The rank that
+    failed raises its own error; the others an :class:`InputError` with its words when it was
+    bad input, else a ``RuntimeError`` naming the rank (a full disk, a bug). Every rank must
+    enter it, whatever it does inside (a collective at its end).
 
     Example (no process group)::
 
@@ -573,16 +576,18 @@ def refused_on_every_rank() -> Iterator[None]:
         ...     print(err)
         steps.csv already exists
     """
-    refused: InputError | None = None
+    failed: Exception | None = None
     try:
         yield
-    except InputError as err:  # (held until every rank has it: below)
-        refused = err
-    shared = first_error(None if refused is None else str(refused))
-    if refused is not None:
-        raise refused
-    if shared is not None:
-        raise InputError(shared)
+    except Exception as err:  # (held until every rank has it: below)
+        failed = err
+    said = None if failed is None else (isinstance(failed, InputError), first_line(str(failed)) or repr(failed))
+    seen = next(((rank, s) for rank, s in enumerate(all_gather(said)) if s is not None), None)
+    if failed is not None:
+        raise failed
+    if seen is not None:
+        rank, (bad_input, message) = seen
+        raise InputError(message) if bad_input else RuntimeError(f"rank {rank} failed: {message}")
 
 
 def every_rank_raised(tag: str, message: str, timeout_s: float) -> str | None:

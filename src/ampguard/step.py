@@ -1351,33 +1351,34 @@ class Guard:
             norms = self._found_at_unscale(names, early, norms)
         (loss, mark, pre, *each), origin = distributed.agree(loss, [self._loss_mark, *norms])
         if self._replicas_unjudged and not self._replicas_unjudged.isdisjoint(names):
-            self._judge_replicas(pre, names)
+            self._judge_replicas(each or [pre], names)
         return grads, loss, mark, pre, each, origin
 
-    def _judge_replicas(self, pre: torch.Tensor, names: tuple[str, ...]) -> None:
-        """Once an optimizer, at its first step whose gradient norm is finite and not 0 on every
-        rank: under several processes, ranks whose norms differ apply their gradients each as its
-        own (a model not wrapped in DDP or FSDP2, or the one from before ``accelerator.prepare``):
-        the guard would tie their skips and average their losses into one record while the
-        replicas drift apart, so it says so (:class:`UnsyncedReplicasWarning`). One all-reduce
-        and one host read, at that step (and at each before it that skipped, or whose gradients
-        were all 0); a GAN's second optimizer, stepped on its own, is judged at its first step."""
-        seen = distributed.norm_range(pre)
+    def _judge_replicas(self, norms: list[torch.Tensor], names: tuple[str, ...]) -> None:
+        """Once an optimizer, at its first step whose gradient norm (``norms``: each of ``names``'
+        own) is finite and not 0 on every rank: under several processes, ranks whose norms differ
+        apply their gradients each as its own (a model not wrapped in DDP or FSDP2, or the one
+        from before ``accelerator.prepare``): the guard would tie their skips and average their
+        losses into one record while the replicas drift apart, so it says so
+        (:class:`UnsyncedReplicasWarning`). One all-reduce and one host read, at that step (and
+        at each before it that skipped, or whose gradients were all 0); a GAN's second optimizer,
+        stepped on its own, is judged at its first step, two stepped together each by its own."""
+        seen = distributed.norm_range(norms)
         if seen is None:  # (a world of one)
             self._replicas_unjudged.clear()
             return
-        low, high = seen
-        if not (math.isfinite(low) and math.isfinite(high) and high > 0):  # (a skip, or no gradient yet to tell by)
-            return
-        self._replicas_unjudged.difference_update(names)
-        if high - low > distributed.REPLICA_SPREAD * high:
-            warnings.warn(UnsyncedReplicasWarning(
-                f"the ranks' gradient norms{_of_optimizers(names, self.optimizers)} differ at step {self.steps} "
-                f"({low:.6g} to {high:.6g}): each rank applies "
-                f"its own gradients, so the replicas drift apart while the guard ties their skips and averages "
-                f"their losses into one record; wrap the model (DistributedDataParallel, fully_shard) and give the "
-                f"guard the wrapped one (Accelerate: the model accelerator.prepare returned), or all-reduce the "
-                f"gradients between guard.backward() and guard.step()"), stacklevel=user_stacklevel())
+        for name, (low, high) in zip(names, seen):
+            if name not in self._replicas_unjudged or not (math.isfinite(low) and math.isfinite(high) and high > 0):
+                continue  # (judged, or a skip, or no gradient yet to tell by)
+            self._replicas_unjudged.discard(name)
+            if high - low > distributed.REPLICA_SPREAD * high:
+                warnings.warn(UnsyncedReplicasWarning(
+                    f"the ranks' gradient norms{_of_optimizers((name,), self.optimizers)} differ at step {self.steps} "
+                    f"({low:.6g} to {high:.6g}): each rank applies its own gradients, so the replicas drift apart "
+                    f"while the guard ties their skips and averages their losses into one record; wrap the model "
+                    f"(DistributedDataParallel, fully_shard) and give the guard the wrapped one (Accelerate: the "
+                    f"model accelerator.prepare returned), or all-reduce the gradients between guard.backward() and "
+                    f"guard.step()"), stacklevel=user_stacklevel())
 
     def _found_at_unscale(self, names: tuple[str, ...], early: list[str], norms: list[torch.Tensor]
                           ) -> list[torch.Tensor]:

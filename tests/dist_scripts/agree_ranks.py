@@ -96,6 +96,40 @@ def _replicas(rank: int) -> dict[str, list[tuple[str, str]]]:
             guard.backward(loss)
             guard.step("g")
     seen["gan"] = [(str(w.message), w.filename) for w in caught if issubclass(w.category, UnsyncedReplicasWarning)]
+    # the same two stepped together, by one guard.step(): each judged by its own norm, not their joint one
+    torch.manual_seed(0)
+    d, g = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+    ddp_d = DistributedDataParallel(d)
+    guard = Guard([ddp_d, g], {"d": torch.optim.SGD(d.parameters(), lr=0.1),
+                               "g": torch.optim.SGD(g.parameters(), lr=0.1)}, precision="fp32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with guard.autocast():
+                loss = F.mse_loss(ddp_d(x), torch.zeros(2, 1)) + g(x).square().mean()
+            guard.backward(loss)
+            guard.step()
+    seen["together"] = [str(w.message) for w in caught if issubclass(w.category, UnsyncedReplicasWarning)]
+    return seen
+
+
+def _refusals(rank: int) -> list[str]:
+    """``distributed.refused_on_every_rank`` around rank 0 alone raising, in turn, bad input, a
+    full disk's OSError, and nothing: what each rank raised (type and words)."""
+    import errno
+
+    from ampguard.errors import InputError
+
+    seen = []
+    for error in (InputError("steps.csv already exists"), OSError(errno.ENOSPC, "No space left on device"), None):
+        try:
+            with distributed.refused_on_every_rank():
+                if rank == 0 and error is not None:
+                    raise error
+        except Exception as err:  # noqa: BLE001 - recorded
+            seen.append(f"{type(err).__name__}: {err}")
+        else:
+            seen.append("none")
     return seen
 
 
@@ -113,7 +147,7 @@ def _rank(rank: int, out: str) -> None:
         agreed, origin = distributed.agree(loss, norms)
         results = {"agreed": [t.item() for t in agreed], "origin": origin.tolist(),
                    "exact": _steps(rank, sync_free=False), "sync_free": _steps(rank, sync_free=True),
-                   "replicas": _replicas(rank)}
+                   "replicas": _replicas(rank), "refusals": _refusals(rank)}
         torch.save(results, f"{out}/rank{rank}.pt")
         del loss, norms, agreed, origin, results  # (the tensors the collectives made, freed before the group)
         dist.barrier()  # (both done before either tears its pairs down: a rank destroying the group while its

@@ -4,7 +4,7 @@ ranks, gloo): ``torchrun ... ranks_review48.py FRAMEWORK WORK TARGET...``.
 FRAMEWORK ``hf``: a ``GuardedTrainer`` per TARGET, its ``AmpGuardCallback(out_dir=TARGET)``;
 ``pl``: a Lightning ``strategy="ddp"`` fit per TARGET, its ``AmpGuardPlugin(csv=TARGET)``. Each
 fit is tried in turn: a refusal is one line on this rank's stderr (``ampguard: error: ...``, as
-the CLI writes it), a fit that trains a line ``trained TARGET`` on stdout (the last fit, given
+the CLI writes it), a fit that trains a line ``trained TARGET`` on stdout (the third fit given
 an MLflow sink on every rank: :func:`tracker_sinks`); the ranks wait for
 each other after each fit (:func:`in_step`). Then each rank exits 2, the CLI's input-error code
 (``ExitCode.BAD_INPUT``), when any fit was refused, else 0. A rank that went on into the
@@ -34,9 +34,16 @@ def tracker_sinks(work: Path, framework: str) -> list:
 
 
 def hf_fit(work: Path, target: str, sinks: list):
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    """A ``GuardedTrainer``'s fit; TARGET ``callable:PATH``: its sinks a function of the state
+    (called on process 0 alone); ``stock:PATH``: a stock ``Trainer`` given the callback on process
+    0 alone (it does nothing collective: no rank may wait for the others in it)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
+
+    kind, _, path = target.rpartition(":")
+    if kind == "callable":
+        sinks = lambda state: tracker_sinks(work, "hf_callable")  # noqa: E731
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=4,
@@ -46,12 +53,16 @@ def hf_fit(work: Path, target: str, sinks: list):
     args = TrainingArguments(str(work / "hf_output"), per_device_train_batch_size=1, max_steps=2, use_cpu=True,
                              report_to=[], ddp_backend="gloo", disable_tqdm=True, save_strategy="no", bf16=True,
                              logging_steps=1)
-    trainer = GuardedTrainer(model=model, args=args, train_dataset=data,
-                             ampguard=AmpGuardCallback(target, print_fn=lambda line: None, sinks=sinks))
+    callback = AmpGuardCallback(path, print_fn=lambda line: None, sinks=sinks)
+    if kind == "stock":
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback] if dist.get_rank() == 0 else [])
+    else:
+        trainer = GuardedTrainer(model=model, args=args, train_dataset=data, ampguard=callback)
     return trainer.train
 
 
 def pl_fit(work: Path, target: str, sinks: list):
+    """A Lightning DDP fit; TARGET ``rank0:PATH``: the csv given on rank 0 alone (as a script may)."""
     import lightning as L
     from torch import nn
     from torch.nn import functional as F
@@ -76,7 +87,9 @@ def pl_fit(work: Path, target: str, sinks: list):
             d = torch.utils.data.TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
             return torch.utils.data.DataLoader(d, batch_size=2)
 
-    trainer = L.Trainer(max_steps=2, plugins=[AmpGuardPlugin("bf16-mixed", csv=target, sinks=sinks)], strategy="ddp", devices=2,
+    kind, _, path = target.rpartition(":")
+    csv = path if kind != "rank0" or dist.get_rank() == 0 else None
+    trainer = L.Trainer(max_steps=2, plugins=[AmpGuardPlugin("bf16-mixed", csv=csv, sinks=sinks)], strategy="ddp", devices=2,
                         accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False)
     module = Module()
@@ -103,8 +116,9 @@ IN_STEP_S = 120
 def main(framework: str, work: Path, targets: list[str]) -> int:
     refused = False
     for case, target in enumerate(targets):
-        last = case == len(targets) - 1  # (the fit that trains: with tracker sinks on every rank)
-        fit = (hf_fit if framework == "hf" else pl_fit)(work, target, tracker_sinks(work, framework) if last else [])
+        with_sinks = case == 2  # (the first fit that trains: with tracker sinks on every rank)
+        fit = (hf_fit if framework == "hf" else pl_fit)(work, target, tracker_sinks(work, framework) if with_sinks
+                                                        else [])
         try:
             fit()
         except InputError as err:

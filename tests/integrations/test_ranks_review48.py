@@ -38,9 +38,10 @@ def early(work: Path) -> dict[str, Ended]:
     (work / "pl").mkdir()
     (work / "pl" / "steps.csv").write_text("step\n")
     return {
-        "hf": _launch(work, "hf", [str(work / "hf" / "kept"), UNMAKEABLE, str(work / "hf" / "new")]),
+        "hf": _launch(work, "hf", [str(work / "hf" / "kept"), UNMAKEABLE, str(work / "hf" / "new"),
+                                   f"callable:{work / 'hf' / 'callable'}", f"stock:{work / 'hf' / 'stock'}"]),
         "pl": _launch(work, "pl", [str(work / "pl" / "steps.csv"), f"{UNMAKEABLE}/steps.csv",
-                                   str(work / "pl" / "new" / "steps.csv")]),
+                                   str(work / "pl" / "new" / "steps.csv"), f"rank0:{work / 'pl' / 'rank0.csv'}"]),
     }
 
 
@@ -69,15 +70,16 @@ def _check_every_rank_refused(done: Ended, refusals: list[str], trained: str) ->
     assert done.stdout.count(f"trained {trained}\n") == 2, (done.stdout, done.stderr[-3000:])
 
 
-def _tracker_runs(work: Path, framework: str) -> dict[str, int]:
-    """The MLflow runs of the fit that trained: ``{its 'ampguard.ended' tag: how many steps of loss}``."""
+def _tracker_runs(work: Path, framework: str, experiment: str | None = None) -> dict[str, int]:
+    """The MLflow runs of the fit that trained (in the ``framework`` launch's store, the experiment
+    named after it unless given): ``{its 'ampguard.ended' tag: how many steps of loss}``."""
     import os
 
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # (MLflow 3 refuses a file store without)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"file:{work / framework / 'mlruns'}")
-    runs = client.search_runs([client.get_experiment_by_name(framework).experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(experiment or framework).experiment_id])
     return {run.data.tags.get("ampguard.ended", ""): len(client.get_metric_history(run.info.run_id, "train/loss"))
             for run in runs}
 
@@ -107,6 +109,11 @@ def test_guarded_trainer_under_ddp_refuses_rank_0s_files_on_every_rank(launches,
     assert kept.read_text() == "step\n"  # the user's file, untouched
     assert (work / "hf" / "new" / "steps.csv").read_text().count("\n") == 3  # rank 0 alone writes: a header, 2 rows
     _check_unserved_sinks(done, work, "hf", "AmpGuardCallback")
+    # (review 48f: sinks given as a function of the state were made on every process, one empty run each)
+    assert list(_tracker_runs(work, "hf", "hf_callable").values()) == [2]
+    # (review 48f: a stock Trainer's callback on process 0 alone waited for good in the shared refusal's collective)
+    assert done.stdout.count(f"trained stock:{work / 'hf' / 'stock'}\n") == 2, done.stdout
+    assert (work / "hf" / "stock" / "steps.csv").read_text().count("\n") == 3
 
 
 def test_lightning_plugin_under_ddp_refuses_rank_0s_csv_on_every_rank(launches, work):
@@ -122,3 +129,6 @@ def test_lightning_plugin_under_ddp_refuses_rank_0s_csv_on_every_rank(launches, 
     assert kept.read_text() == "step\n"
     assert (work / "pl" / "new" / "steps.csv").read_text().count("\n") == 3
     _check_unserved_sinks(done, work, "pl", "AmpGuardPlugin")
+    # (review 48f: a csv given on rank 0 alone left rank 0 waiting for good in the shared refusal's collective)
+    assert done.stdout.count(f"trained rank0:{work / 'pl' / 'rank0.csv'}\n") == 2, done.stdout
+    assert (work / "pl" / "rank0.csv").read_text().count("\n") == 3

@@ -101,3 +101,14 @@ def test_a_model_each_rank_trains_as_its_own_is_said_once_one_in_ddp_is_not(rank
         # (review 48e: a GAN whose D, in DDP, stepped first was judged by D's step alone; G drifted unsaid)
         [(message, _)] = seen["gan"]
         assert message.startswith("the ranks' gradient norms of optimizer 'g' differ at step 2 ("), message
+        # (review 48f: stepped together, they were judged by their joint norm)
+        [message] = seen["together"]
+        assert message.startswith("the ranks' gradient norms of optimizer 'g' differ at step 1 ("), message
+
+
+def test_rank_0s_failure_inside_refused_on_every_rank_is_raised_on_every_rank(ranks):
+    # (review 48f: only an InputError was shared; rank 0's full disk left rank 1 in the block's collective)
+    assert ranks[0]["refusals"] == ["InputError: steps.csv already exists",
+                                    "OSError: [Errno 28] No space left on device", "none"]
+    assert ranks[1]["refusals"] == ["InputError: steps.csv already exists",
+                                    "RuntimeError: rank 0 failed: [Errno 28] No space left on device", "none"]

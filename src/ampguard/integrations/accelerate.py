@@ -198,11 +198,13 @@ def _check_prepared(accelerator: Any, model: Any) -> None:
     given = {id(m) for m in getattr(accelerator, "_models", None) or []}
     if not given:
         return
-    models = model.values() if isinstance(model, Mapping) else model if isinstance(model, (list, tuple)) else [model]
-    for each in models:
+    named = (model.items() if isinstance(model, Mapping) else enumerate(model) if isinstance(model, (list, tuple))
+             else [(None, model)])
+    for key, each in named:
         found = _inside_unprepared(each, given)
         if found is not None:
-            raise ValueError(f"make_guard got the {type(found).__name__} from before accelerator.prepare (or from inside "
+            which = f" (model {key!r})" if key is not None else ""
+            raise ValueError(f"make_guard got the {type(found).__name__}{which} from before accelerator.prepare (or from inside "
                              "what it returned), which prepare wrapped for several processes: give the guard, and the "
                              "loop's forward, the model prepare returned (model, opt, data = accelerator.prepare(model, "
                              "opt, data)): the one inside is never all-reduced by itself, and the guard defers the "

@@ -312,13 +312,13 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise ValueError(_clip_refusal(trainer))
             if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
                 raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
-            if self.csv is not None:
-                # rank 0's verdict on its CSV, raised on every rank alike (the others never look at it):
-                # refused on rank 0 alone, the others went on into the fit's first collective and crashed
-                # there ("Connection closed by peer"; under NCCL they would wait in it)
-                with distributed.refused_on_every_rank():
-                    if trainer.is_global_zero:
-                        self._check_csv(trainer, len(optimizers))
+            # rank 0's verdict on its CSV, raised on every rank alike (the others never look at it):
+            # refused on rank 0 alone, the others went on into the fit's first collective and crashed
+            # there ("Connection closed by peer"; under NCCL they would wait in it). Entered on every
+            # rank, whichever has a csv (rank 0's alone, as a script may give it: review 48f)
+            with distributed.refused_on_every_rank():
+                if trainer.is_global_zero and self.csv is not None:
+                    self._check_csv(trainer, len(optimizers))
             # past the refusals (a refused fit leaves the last fit's results as they were): a new fit
             # has new optimizers (configure_optimizers ran again), so a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
@@ -991,7 +991,7 @@ def _at_its_limit(trainer: pl.Trainer) -> bool:
 def _hooks_see_gradients(model: pl.LightningModule) -> bool:
     """Whether code of the user's runs on the gradients between the backward and the guard's
     step: an ``on_before_optimizer_step`` of the module's or a callback's, or the module's
-    ``configure_gradient_clipping`` (Lightning's ``_after_closure`` runs them). With no loss
+    ``configure_gradient_clipping`` or ``clip_gradients`` (Lightning's ``_after_closure`` runs them). With no loss
     scaler, ``guard.unscale_()`` before them only records what PyTorch's non-finite check finds
     (a hook that then clamps an inf, ``nan_to_num_`` or ``clip_grad_value_``, still skips the
     step); with none of them, the step's own check sees the same gradients, and that pass over
@@ -1000,7 +1000,7 @@ def _hooks_see_gradients(model: pl.LightningModule) -> bool:
             or any(_overrides(cb, pl.Callback, "on_before_optimizer_step") for cb in model.trainer.callbacks))
 
 
-_GRADIENT_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+_GRADIENT_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping", "clip_gradients")
 """The LightningModule's hooks that run between the backward and the optimizer step."""
 
 

@@ -350,6 +350,13 @@ class AmpGuardCallback(TrainerCallback):
                              "monitor and files are that trainer's): give a stock Trainer its own AmpGuardCallback()")
         _one_per_trainer(control, self)
 
+    def _on_every_process(self) -> contextlib.AbstractContextManager[None]:
+        """Around process 0's look at its files: its refusal raised on every process alike
+        (:func:`~ampguard.distributed.refused_on_every_rank`, a collective) under a
+        :class:`GuardedTrainer`, whose guard runs on every process; a stock Trainer's callback
+        may be on process 0 alone (it does nothing collective: the collective would wait)."""
+        return distributed.refused_on_every_rank() if self._guarded else contextlib.nullcontext()
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # a second AmpGuardCallback added after the Trainer was built (trainer.add_callback): the
         # first one opened this train()'s files already; it takes them back, then this one refuses
@@ -360,7 +367,9 @@ class AmpGuardCallback(TrainerCallback):
         # the files this train() opened are still open (no run_end); they go on from the new attempt's
         # first step (a fresh run refused its own CSV as "already exists"), the attempt before's rows
         # after it kept aside (HF keeps its weights and optimizer state: those updates are in them)
-        still_open = self._csv is not None or self._events is not None  # (no run_end: the last attempt's)
+        # (no run_end: the last attempt's files still open on process 0, its monitor not ended on every
+        # process: decided alike on each, review 48f)
+        still_open = self.monitor is not None and not self._ended
         retry = still_open and bool(getattr(args, "auto_find_batch_size", False)) and (
             (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
         if resume is None and not retry and not self._guarded and state.global_step > 0:
@@ -379,7 +388,7 @@ class AmpGuardCallback(TrainerCallback):
             self._refuse_closed(self.sinks)
         folder = None
         # process 0's verdict on its folder, raised on every process alike (the others never look at it)
-        with distributed.refused_on_every_rank():
+        with self._on_every_process():
             if state.is_world_process_zero:  # the folder of the files: a retry goes on in its train()'s; a
                 # hyperparameter search's trial has one of its own
                 home = self._home or Path(args.output_dir) / "ampguard"
@@ -450,7 +459,7 @@ class AmpGuardCallback(TrainerCallback):
         kept, had_csv = None, True
         # process 0's refusal of its files ("steps.csv already exists", a header a resume cannot append
         # to) raised on every process alike, as the folder's above
-        with distributed.refused_on_every_rank():
+        with self._on_every_process():
             if folder is not None:  # (process 0's)
                 folder.mkdir(parents=True, exist_ok=True)
                 had_csv = (folder / CSV_NAME).exists()  # (a resume's rows go on after its rows, or begin here)
@@ -481,8 +490,9 @@ class AmpGuardCallback(TrainerCallback):
                 "the LR schedule and the monitor start afresh" + "".join(f"; {note}" for note in sinks))}, "RETRY")
         # the sinks this train() serves, once its files are open (a train() refused before, "steps.csv
         # already exists", took none: the next one's are not ended for it, nor made)
-        if not retry:
-            self._given = list(self.sinks(state)) if callable(self.sinks) else list(self.sinks)
+        if not retry:  # (a function of the state is called on process 0 alone, which logs)
+            self._given = list(self.sinks(state)) if callable(self.sinks) and state.is_world_process_zero else \
+                [] if callable(self.sinks) else list(self.sinks)
             self._refuse_closed(self._given)
         self._serving = self._given if state.is_world_process_zero else []
         if not state.is_world_process_zero:  # (only process 0 logs: a tracker run made here ends now, said)
