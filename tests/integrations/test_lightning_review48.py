@@ -32,9 +32,15 @@ class ValueClippingDigits(Digits):  # (review 48e: a clip of one's own here made
         torch.nn.utils.clip_grad_value_(self.parameters(), 1.0)
 
 
-@pytest.mark.parametrize("hook", ["none", "callback", "module", "instance", "clipping"])
+class OwnClipGradients(Digits):  # (review 48f: the default configure_gradient_clipping calls it every step)
+    def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        torch.nn.utils.clip_grad_value_(self.parameters(), 1.0)
+
+
+@pytest.mark.parametrize("hook", ["none", "callback", "module", "instance", "clipping", "clip_gradients"])
 def test_an_inf_gradient_skips_its_step_whether_or_not_a_hook_clamps_it_first(hook):
-    made = {"module": ClampingDigits, "clipping": ValueClippingDigits}.get(hook, Digits)
+    made = {"module": ClampingDigits, "clipping": ValueClippingDigits, "clip_gradients": OwnClipGradients}.get(
+        hook, Digits)
     module = made(faults=["inf_grad@2"])
     if hook == "instance":  # (a hook set on the module itself, not its class)
         module.on_before_optimizer_step = lambda optimizer: [p.grad.nan_to_num_(posinf=0.0, neginf=0.0)
