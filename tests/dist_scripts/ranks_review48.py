@@ -36,7 +36,9 @@ def tracker_sinks(work: Path, framework: str) -> list:
 def hf_fit(work: Path, target: str, sinks: list):
     """A ``GuardedTrainer``'s fit; TARGET ``callable:PATH``: its sinks a function of the state
     (called on process 0 alone); ``stock:PATH``: a stock ``Trainer`` given the callback on process
-    0 alone (it does nothing collective: no rank may wait for the others in it)."""
+    0 alone (it does nothing collective: no rank may wait for the others in it); ``retry:PATH``:
+    ``auto_find_batch_size``, an out-of-memory on every rank at the first attempt's step 2, and
+    tracker sinks on every rank (the retry told alike on each)."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer
@@ -44,20 +46,32 @@ def hf_fit(work: Path, target: str, sinks: list):
     kind, _, path = target.rpartition(":")
     if kind == "callable":
         sinks = lambda state: tracker_sinks(work, "hf_callable")  # noqa: E731
+    elif kind == "retry":  # (sinks on every rank, as with fit 3)
+        sinks = tracker_sinks(work, "hf_retry")
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=4,
                                                 bos_token_id=None, eos_token_id=None))
     ids = torch.arange(32).reshape(8, 4) % 16
     data = [{"input_ids": row, "labels": row} for row in ids]
-    args = TrainingArguments(str(work / "hf_output"), per_device_train_batch_size=1, max_steps=2, use_cpu=True,
+    args = TrainingArguments(str(work / "hf_output"), per_device_train_batch_size=2, max_steps=2, use_cpu=True,
                              report_to=[], ddp_backend="gloo", disable_tqdm=True, save_strategy="no", bf16=True,
-                             logging_steps=1)
+                             logging_steps=1, auto_find_batch_size=kind == "retry")
     callback = AmpGuardCallback(path, print_fn=lambda line: None, sinks=sinks)
     if kind == "stock":
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback] if dist.get_rank() == 0 else [])
     else:
         trainer = GuardedTrainer(model=model, args=args, train_dataset=data, ampguard=callback)
+    if kind == "retry":  # a CPU out-of-memory at the first attempt's step 2, on every rank: HF begins again, batch 1
+        first = []
+
+        def out_of_memory(module, inputs, output):
+            if trainer.state.global_step == 1 and not first:
+                first.append(True)
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+            return output
+
+        model.transformer.wte.register_forward_hook(out_of_memory)
     return trainer.train
 
 

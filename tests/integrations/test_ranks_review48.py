@@ -39,7 +39,8 @@ def early(work: Path) -> dict[str, Ended]:
     (work / "pl" / "steps.csv").write_text("step\n")
     return {
         "hf": _launch(work, "hf", [str(work / "hf" / "kept"), UNMAKEABLE, str(work / "hf" / "new"),
-                                   f"callable:{work / 'hf' / 'callable'}", f"stock:{work / 'hf' / 'stock'}"]),
+                                   f"callable:{work / 'hf' / 'callable'}", f"stock:{work / 'hf' / 'stock'}",
+                                   f"retry:{work / 'hf' / 'retry'}"]),
         "pl": _launch(work, "pl", [str(work / "pl" / "steps.csv"), f"{UNMAKEABLE}/steps.csv",
                                    str(work / "pl" / "new" / "steps.csv"), f"rank0:{work / 'pl' / 'rank0.csv'}"]),
     }
@@ -114,6 +115,10 @@ def test_guarded_trainer_under_ddp_refuses_rank_0s_files_on_every_rank(launches,
     # (review 48f: a stock Trainer's callback on process 0 alone waited for good in the shared refusal's collective)
     assert done.stdout.count(f"trained stock:{work / 'hf' / 'stock'}\n") == 2, done.stdout
     assert (work / "hf" / "stock" / "steps.csv").read_text().count("\n") == 3
+    # (review 48f: an auto_find_batch_size retry was told from process 0's files alone: process 1, taking it for a
+    # new train(), refused its sinks as "closed", process 0 died in the shared refusal's collective)
+    assert done.stdout.count(f"trained retry:{work / 'hf' / 'retry'}\n") == 2, done.stdout
+    assert '"event": "retry"' in (work / "hf" / "retry" / "events.jsonl").read_text()
 
 
 def test_lightning_plugin_under_ddp_refuses_rank_0s_csv_on_every_rank(launches, work):

@@ -44,6 +44,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -786,11 +787,17 @@ def mlflow_client(tracking_uri: str | None) -> Any:
         raise InputError(f"log.mlflow: the tracking store {uri}{default} is a database, which MLflow opens with "
                          "SQLAlchemy: pip install sqlalchemy alembic, or set log.mlflow.tracking_uri=file:./mlruns "
                          "(a folder)")
-    try:
-        client = MlflowClient(tracking_uri=uri)
-        client._tracking_client.store  # noqa: B018 - opens the store now, so a bad one is bad input
-    except Exception as err:  # noqa: BLE001 - MLflow's many errors, one line
-        raise InputError(f"log.mlflow: cannot open the tracking store {uri}: {first_line(err)}") from None
+    file_store = scheme in ("", "file") or Path(uri).is_absolute()
+    for attempt in (1, 2):
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            client._tracking_client.store  # noqa: B018 - opens the store now, so a bad one is bad input
+            break
+        except Exception as err:  # noqa: BLE001 - MLflow's many errors, one line
+            if attempt == 1 and file_store:  # (another process making the same new store, its default
+                time.sleep(0.2)              # experiment's meta.yaml: "exists as"; it is whole a moment later)
+                continue
+            raise InputError(f"log.mlflow: cannot open the tracking store {uri}: {first_line(err)}") from None
     return client
 
 
