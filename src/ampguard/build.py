@@ -643,8 +643,8 @@ def _cut_back_logs_off(config: Config, paths: RunPaths, keep_through: int | None
             how(path)
         except InputError as err:
             why = first_line(str(err)).removeprefix(f"{path}: ")
-            warnings.warn(f"{path} is left as it is, its steps after {keep_through} the abandoned run's: {why}",
-                          AmpguardWarning, stacklevel=2)
+            warnings.warn(f"{path} is left as it is ({why}): any steps after {keep_through} in it are the abandoned "
+                          "run's", AmpguardWarning, stacklevel=2)
 
     def purge(log_dir: Path) -> None:
         if log_dir.is_dir() and any(log_dir.glob("events.out.tfevents.*")):
