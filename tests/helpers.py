@@ -125,6 +125,17 @@ def ok(result: tuple[int, str, str]) -> str:
     return out
 
 
+def resumed_leaving_as_is(run: Path, log: str, *off: str) -> None:
+    """``ampguard train --resume RUN`` from step 4 with ``off`` (``--set`` values turning a log
+    off) goes on, and leaves the log file ``log`` byte for byte as it was, a warning naming it."""
+    before = (run / log).read_bytes()
+    code, out, err = ag("train", "--resume", run, *(a for value in off for a in ("--set", value)))
+    assert code == 0 and "RESUME 4" in out, err
+    assert f"ampguard: warning: {run / log} is left as it is (" in err, err
+    assert "): any steps after 4 in it are the abandoned run's" in err, err
+    assert (run / log).read_bytes() == before
+
+
 # ---------------------------------------------------------------------------- refusals (one line on stderr)
 
 
