@@ -513,6 +513,12 @@ class _SetOnce:
         obj.__dict__[self.public] = value
 
 
+REPLICA_TRIES = 16
+"""The steps an optimizer's replica check waits for a norm finite and not 0 on every rank before
+it gives up on that optimizer (its gradients stay 0, or it skips every step: an all-reduce and a
+host read a step, otherwise for ever; review 48g)."""
+
+
 def _of_optimizers(names: tuple[str, ...], optimizers: Mapping[str, Any]) -> str:
     """`` of optimizer "d"`` (``names``) where a guard has several, else nothing."""
     if len(optimizers) == 1:
@@ -714,6 +720,7 @@ class Guard:
         self._modules, self._root, self._frozen_mode = modules, root, frozen
         # (under several ranks: do they apply the same gradients? each optimizer's first step tells)
         self._replicas_unjudged = set(optimizers)
+        self._replicas_tries: dict[str, int] = {}  # (steps each has had with nothing to tell by)
         # the running statistics (BatchNorm's) each step's forward writes: put back on a skip
         self._running_stats = RunningStats(modules)
         _watch_registrations()
@@ -768,6 +775,7 @@ class Guard:
         self.__dict__.setdefault("_half_loss_said", False)  # (a guard pickled before they were kept)
         self.__dict__.setdefault("_half_said", True)
         self.__dict__.setdefault("_replicas_unjudged", set())
+        self.__dict__.setdefault("_replicas_tries", {})
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
         self._running_stats = RunningStats(getattr(self, "_modules", []))
@@ -1368,8 +1376,13 @@ class Guard:
             self._replicas_unjudged.clear()
             return
         for name, (low, high) in zip(names, seen):
-            if name not in self._replicas_unjudged or not (math.isfinite(low) and math.isfinite(high) and high > 0):
-                continue  # (judged, or a skip, or no gradient yet to tell by)
+            if name not in self._replicas_unjudged:
+                continue
+            if not (math.isfinite(low) and math.isfinite(high) and high > 0):  # (a skip, or no gradient to tell by)
+                self._replicas_tries[name] = tries = self._replicas_tries.get(name, 0) + 1
+                if tries >= REPLICA_TRIES:  # (an optimizer whose gradients stay 0: not judged, the cost ends)
+                    self._replicas_unjudged.discard(name)
+                continue
             self._replicas_unjudged.discard(name)
             if high - low > distributed.REPLICA_SPREAD * high:
                 warnings.warn(UnsyncedReplicasWarning(

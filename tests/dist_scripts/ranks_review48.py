@@ -35,8 +35,8 @@ def tracker_sinks(work: Path, framework: str) -> list:
 
 def hf_fit(work: Path, target: str, sinks: list):
     """A ``GuardedTrainer``'s fit; TARGET ``callable:PATH``: its sinks a function of the state
-    (called on process 0 alone); ``stock:PATH``: a stock ``Trainer`` given the callback on process
-    0 alone (it does nothing collective: no rank may wait for the others in it); ``retry:PATH``:
+    (called on process 0 alone); ``stock:PATH``: a stock ``Trainer`` given the callback (its
+    refusals shared on every process as GuardedTrainer's); ``retry:PATH``:
     ``auto_find_batch_size``, an out-of-memory on every rank at the first attempt's step 2, and
     tracker sinks on every rank (the retry told alike on each)."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -59,7 +59,7 @@ def hf_fit(work: Path, target: str, sinks: list):
                              logging_steps=1, auto_find_batch_size=kind == "retry")
     callback = AmpGuardCallback(path, print_fn=lambda line: None, sinks=sinks)
     if kind == "stock":
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback] if dist.get_rank() == 0 else [])
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     else:
         trainer = GuardedTrainer(model=model, args=args, train_dataset=data, ampguard=callback)
     if kind == "retry":  # a CPU out-of-memory at the first attempt's step 2, on every rank: HF begins again, batch 1

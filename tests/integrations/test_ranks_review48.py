@@ -40,7 +40,7 @@ def early(work: Path) -> dict[str, Ended]:
     return {
         "hf": _launch(work, "hf", [str(work / "hf" / "kept"), UNMAKEABLE, str(work / "hf" / "new"),
                                    f"callable:{work / 'hf' / 'callable'}", f"stock:{work / 'hf' / 'stock'}",
-                                   f"retry:{work / 'hf' / 'retry'}"]),
+                                   f"retry:{work / 'hf' / 'retry'}", f"stock:{work / 'hf' / 'kept'}"]),
         "pl": _launch(work, "pl", [str(work / "pl" / "steps.csv"), f"{UNMAKEABLE}/steps.csv",
                                    str(work / "pl" / "new" / "steps.csv"), f"rank0:{work / 'pl' / 'rank0.csv'}"]),
     }
@@ -106,13 +106,14 @@ def test_guarded_trainer_under_ddp_refuses_rank_0s_files_on_every_rank(launches,
         f"{kept} already exists; refusing to overwrite it",
         f"AmpGuardCallback(out_dir=...): {UNMAKEABLE} cannot be made: no file can be made in /proc "
         f"(No such file or directory)",
+        f"{kept} already exists; refusing to overwrite it",  # (a stock Trainer's callback: review 48g)
     ], str(work / "hf" / "new"))
     assert kept.read_text() == "step\n"  # the user's file, untouched
     assert (work / "hf" / "new" / "steps.csv").read_text().count("\n") == 3  # rank 0 alone writes: a header, 2 rows
     _check_unserved_sinks(done, work, "hf", "AmpGuardCallback")
     # (review 48f: sinks given as a function of the state were made on every process, one empty run each)
     assert list(_tracker_runs(work, "hf", "hf_callable").values()) == [2]
-    # (review 48f: a stock Trainer's callback on process 0 alone waited for good in the shared refusal's collective)
+    # (review 48g: a stock Trainer's callback trains through the shared refusal's collective on every process)
     assert done.stdout.count(f"trained stock:{work / 'hf' / 'stock'}\n") == 2, done.stdout
     assert (work / "hf" / "stock" / "steps.csv").read_text().count("\n") == 3
     # (review 48f: an auto_find_batch_size retry was told from process 0's files alone: process 1, taking it for a

@@ -296,29 +296,12 @@ class AmpGuardPlugin(_LightningPrecision):
         module = _lightning_module(model)
         trainer = module._trainer if module is not None else None
         if module is not None and trainer is not None and trainer.state.fn == "fit":
-            # (the attribute a later fit's sinks are set by: checked first, a generator taken into a list once)
-            self.extra_sinks = _check_sinks(self.extra_sinks, "plugin.extra_sinks")
-            closed = [s for s in self.extra_sinks if any(s is c for c in self._closed)]
-            if closed:  # before anything is trained: the first step would crash on them
-                raise ValueError(f"AmpGuardPlugin: sinks={[type(s).__name__ for s in closed]} were closed when the "
-                                 f"previous fit with this plugin ended (its tracker runs ended with that fit); give "
-                                 f"this fit new sinks (plugin.extra_sinks = [...]) or a new AmpGuardPlugin")
-            if self.csv is not None and os.path.abspath(self.csv) in self._csv_fits and trainer.ckpt_path is None:
-                # on every rank alike, as the sinks' refusal (not the InputError of a file found on rank 0)
-                raise ValueError(f"AmpGuardPlugin: csv={_said(self.csv)} was the previous fit's with this plugin "
-                                 f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, "
-                                 f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
-            if trainer.gradient_clip_val:
-                raise ValueError(_clip_refusal(trainer))
-            if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
-                raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
-            # rank 0's verdict on its CSV, raised on every rank alike (the others never look at it):
-            # refused on rank 0 alone, the others went on into the fit's first collective and crashed
-            # there ("Connection closed by peer"; under NCCL they would wait in it). Entered on every
-            # rank, whichever has a csv (rank 0's alone, as a script may give it: review 48f)
+            # the refusals, raised on every rank alike (distributed.refused_on_every_rank: a rank that
+            # refused alone left the others in the fit's first collective, "Connection closed by peer",
+            # under NCCL a wait), entered on every rank whatever its csv and sinks (given on rank 0 alone,
+            # as a script may: reviews 48f, 48g)
             with distributed.refused_on_every_rank():
-                if trainer.is_global_zero and self.csv is not None:
-                    self._check_csv(trainer, len(optimizers))
+                self._refuse_fit(trainer, optimizers)
             # past the refusals (a refused fit leaves the last fit's results as they were): a new fit
             # has new optimizers (configure_optimizers ran again), so a new guard at its first
             # backward; a resumed one gets its state from load_state_dict, which Lightning calls later
@@ -351,6 +334,27 @@ class AmpGuardPlugin(_LightningPrecision):
             if self.csv is not None:
                 self._csv_fits.add(os.path.abspath(self.csv))
         return model, optimizers, lr_schedulers
+
+    def _refuse_fit(self, trainer: pl.Trainer, optimizers: list[Any]) -> None:
+        """What a fit is refused for before it trains (:meth:`connect` raises it on every rank)."""
+        # (the attribute a later fit's sinks are set by: checked first, a generator taken into a list once)
+        self.extra_sinks = _check_sinks(self.extra_sinks, "plugin.extra_sinks")
+        closed = [s for s in self.extra_sinks if any(s is c for c in self._closed)]
+        if closed:  # before anything is trained: the first step would crash on them
+            raise ValueError(f"AmpGuardPlugin: sinks={[type(s).__name__ for s in closed]} were closed when the "
+                             f"previous fit with this plugin ended (its tracker runs ended with that fit); give "
+                             f"this fit new sinks (plugin.extra_sinks = [...]) or a new AmpGuardPlugin")
+        if self.csv is not None and os.path.abspath(self.csv) in self._csv_fits and trainer.ckpt_path is None:
+            # on every rank alike, as the sinks' refusal (not the InputError of a file found on rank 0)
+            raise ValueError(f"AmpGuardPlugin: csv={_said(self.csv)} was the previous fit's with this plugin "
+                             f"(one fit per plugin); give this fit a new AmpGuardPlugin with a new csv path, "
+                             f"or resume the previous fit with trainer.fit(..., ckpt_path=...), which appends to it")
+        if trainer.gradient_clip_val:
+            raise ValueError(_clip_refusal(trainer))
+        if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
+            raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
+        if trainer.is_global_zero and self.csv is not None:  # (rank 0's verdict on its CSV: the others never look)
+            self._check_csv(trainer, len(optimizers))
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after

@@ -794,8 +794,8 @@ def mlflow_client(tracking_uri: str | None) -> Any:
             client._tracking_client.store  # noqa: B018 - opens the store now, so a bad one is bad input
             break
         except Exception as err:  # noqa: BLE001 - MLflow's many errors, one line
-            if attempt == 1 and file_store:  # (another process making the same new store, its default
-                time.sleep(0.2)              # experiment's meta.yaml: "exists as"; it is whole a moment later)
+            if attempt == 1 and file_store and "exists" in str(err):  # (another process making the same new
+                time.sleep(0.2)  # store, its default experiment's meta.yaml: "exists as"; whole a moment later)
                 continue
             raise InputError(f"log.mlflow: cannot open the tracking store {uri}: {first_line(err)}") from None
     return client

@@ -238,6 +238,7 @@ class AmpGuardCallback(TrainerCallback):
         self._resume: tuple[int, dict[str, Any] | None, str, dict[str, Any] | None, float | None, str] | None = None
         self.crash: BaseException | None = None  # the error that ended train(), if one did (GuardedTrainer)
         self._ended = False  # run_end and summary.json written
+        self._attempt_open = False  # a train()'s files opened, not ended yet (on every process alike)
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
         self._given: list[Sink] = []  # the sinks this train() was given (every process: refused to a later one)
         self._serving: list[Sink] = []  # those it writes and its end ends (process 0's)
@@ -352,10 +353,11 @@ class AmpGuardCallback(TrainerCallback):
 
     def _on_every_process(self) -> contextlib.AbstractContextManager[None]:
         """Around process 0's look at its files: its refusal raised on every process alike
-        (:func:`~ampguard.distributed.refused_on_every_rank`, a collective) under a
-        :class:`GuardedTrainer`, whose guard runs on every process; a stock Trainer's callback
-        may be on process 0 alone (it does nothing collective: the collective would wait)."""
-        return distributed.refused_on_every_rank() if self._guarded else contextlib.nullcontext()
+        (:func:`~ampguard.distributed.refused_on_every_rank`, a collective). The callback is on
+        every process, as the Trainer it is given to is made on every process (one given on
+        process 0 alone would wait there: review 48g weighed that against the usual setup, a stock
+        Trainer's callback on every process, whose other processes crashed unsaid)."""
+        return distributed.refused_on_every_rank()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # a second AmpGuardCallback added after the Trainer was built (trainer.add_callback): the
@@ -367,9 +369,9 @@ class AmpGuardCallback(TrainerCallback):
         # the files this train() opened are still open (no run_end); they go on from the new attempt's
         # first step (a fresh run refused its own CSV as "already exists"), the attempt before's rows
         # after it kept aside (HF keeps its weights and optimizer state: those updates are in them)
-        # (no run_end: the last attempt's files still open on process 0, its monitor not ended on every
-        # process: decided alike on each, review 48f)
-        still_open = self.monitor is not None and not self._ended
+        # (no run_end: the last attempt's files still open on process 0; told alike on every process, from
+        # an attempt that got past its refusals and has not ended, reviews 48f and 48g)
+        still_open = self._attempt_open
         retry = still_open and bool(getattr(args, "auto_find_batch_size", False)) and (
             (state.train_batch_size or 0) < (self._batch or 0) or resume is not None)
         if resume is None and not retry and not self._guarded and state.global_step > 0:
@@ -478,6 +480,7 @@ class AmpGuardCallback(TrainerCallback):
                 if not goes_on:
                     self._fresh.append(folder / EVENTS_NAME)
                 self.out_dir = folder
+        self._attempt_open = True  # (past the refusals, on every process: an auto_find_batch_size retry goes on)
         if retry:
             aside = f"; its {counted(kept[1], 'row')} moved to {kept[0].name}" if kept is not None else ""
             # the sinks this train() serves hold the abandoned attempt's steps too: each sets them aside as it can
@@ -726,7 +729,7 @@ class AmpGuardCallback(TrainerCallback):
     def _finish(self) -> None:
         """``run_end``, then close the files and write ``summary.json`` and ``RUN.md`` (process 0);
         the sinks then end with the outcome (:func:`~ampguard.integrations.trackers.end_sinks`)."""
-        self._ended = True
+        self._ended, self._attempt_open = True, False
         wrote = self._events is not None  # (process 0: the files, and so the artifacts)
         try:
             self._emit({"step": self.monitor.steps, "event": "run_end", "message": self.ended,
@@ -783,7 +786,7 @@ class AmpGuardCallback(TrainerCallback):
         exit code 1 (they had stayed open, and this ``train()`` would have logged on into their
         runs); its files are closed below, without ``run_end`` or a summary (what ended it is not
         known here). A failure to end them is a warning: this ``train()`` goes on."""
-        self._ended = True
+        self._ended, self._attempt_open = True, False
         assert self.monitor is not None
         try:
             self._end_sinks(1, f"ended after step {self.monitor.steps} by an error the callback was not told of "
@@ -803,7 +806,7 @@ class AmpGuardCallback(TrainerCallback):
         for path in self._fresh:
             path.unlink(missing_ok=True)
         self._fresh, self._given, self._serving = [], [], []
-        self.monitor, self._ended = None, True
+        self.monitor, self._ended, self._attempt_open = None, True, False
 
     def _emit(self, event: dict[str, Any], word: str | None) -> None:
         if self._events is not None:
