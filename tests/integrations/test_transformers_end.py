@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
 
+from ampguard.errors import InputError  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
 
 
@@ -50,3 +51,38 @@ def test_summary_records_the_thresholds_its_monitor_judged_by_and_report_reads_t
     assert summary["thresholds"] == {"window": 16, "alert_rate": 0.25, "min_steps": 4, "growth_interval": None}
     assert thresholds_of(tmp_path / "out" / "ampguard" / "steps.csv") == {"window": 16, "alert_rate": 0.25,
                                                                            "min_steps": 4}
+
+
+def test_a_resume_after_a_refused_train_is_a_resume_not_an_out_of_memory_retry(tmp_path):
+    # (review 48g: with auto_find_batch_size a refused train() left its monitor un-ended; the resume that
+    # followed, at the checkpoint's smaller batch, read as a retry: no resume event, a steps.attempt-1.csv,
+    # and the sinks got no row)
+    from transformers import Trainer
+
+    from ampguard.sinks import JsonlSink
+
+    def model():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (64, 8))]
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=8, auto_find_batch_size=True,
+                             max_steps=4, use_cpu=True, report_to=[], save_strategy="steps", save_steps=2,
+                             disable_tqdm=True)
+    first = model()  # its batch of 8 runs out of memory: HF's retry trains at 4, the checkpoints say so
+    first.transformer.wte.register_forward_hook(lambda m, i, o: _out_of_memory() if i[0].shape[0] == 8 else o)
+    Trainer(model=first, args=args, train_dataset=data, callbacks=[AmpGuardCallback(print_fn=lambda line: None)]).train()
+    sink = JsonlSink(tmp_path / "rows.jsonl")
+    trainer = Trainer(model=model(), args=args, train_dataset=data,
+                      callbacks=[AmpGuardCallback(print_fn=lambda line: None, sinks=[sink])])
+    with pytest.raises(InputError, match="steps.csv already exists"):
+        trainer.train()
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    folder = tmp_path / "out" / "ampguard"
+    events = [json.loads(line)["event"] for line in (folder / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert events[-2:] == ["resume", "run_end"] and "steps.attempt-1.csv" not in {p.name for p in folder.iterdir()}
+    assert len((tmp_path / "rows.jsonl").read_text(encoding="utf-8").splitlines()) == 2  # steps 3 and 4
+
+
+def _out_of_memory():
+    raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
