@@ -80,7 +80,9 @@ def _tracker_runs(work: Path, framework: str, experiment: str | None = None) -> 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"file:{work / framework / 'mlruns'}")
-    runs = client.search_runs([client.get_experiment_by_name(experiment or framework).experiment_id])
+    # (every experiment of that name: two processes making it at once in a file store can make two, MLflow's race)
+    ids = [e.experiment_id for e in client.search_experiments() if e.name == (experiment or framework)]
+    runs = client.search_runs(ids)
     return {run.data.tags.get("ampguard.ended", ""): len(client.get_metric_history(run.info.run_id, "train/loss"))
             for run in runs}
 
