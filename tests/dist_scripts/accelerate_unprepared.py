@@ -20,6 +20,7 @@ cases = {
     "inside": (accelerator.unwrap_model(prepared_d), od),
     "gan_dict_before": ({"d": prepared_d, "g": g}, {"d": od, "g": og}),
     "gan_modulelist_before": (torch.nn.ModuleList([d, g]), [od, og]),
+    "gan_moduledict_before": (torch.nn.ModuleDict({"d": prepared_d, "g": g}), {"d": od, "g": og}),
     "prepared": (prepared_d, od),
     "gan_dict_prepared": ({"d": prepared_d, "g": prepared_g}, {"d": od, "g": og}),
 }

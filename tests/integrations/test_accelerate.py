@@ -243,7 +243,7 @@ def test_make_guard_refuses_the_model_from_before_prepare_on_every_process(launc
     assert done.rc == 0, done.stderr[-3000:]
     for rank in (0, 1):
         for case, which in (("before", ""), ("inside", ""), ("gan_dict_before", " (model 'g')"),
-                            ("gan_modulelist_before", "")):
+                            ("gan_modulelist_before", " (model 0)"), ("gan_moduledict_before", " (model 'g')")):
             # (review 48e: a GAN's dict or ModuleList of models from before prepare was taken; 48f: name which)
             assert f"rank {rank}: {case} refused: make_guard got the Linear{which} from before accelerator.prepare " \
                    f"(or from inside what it returned)" in done.stdout, done.stdout

@@ -51,3 +51,12 @@ def test_an_inf_gradient_skips_its_step_whether_or_not_a_hook_clamps_it_first(ho
     assert all(torch.equal(a, b) for a, b in zip(module.after[1], module.after[2]))  # step 2 left them
     assert _hooks_see_gradients(module) is (hook != "none")
     assert trainer.global_step == 3
+
+
+def test_a_clip_gradients_override_is_warned_as_a_configure_gradient_clipping_one_is():
+    # (review 48g: a norm clip in clip_gradients hid the pre-clip norm, unsaid)
+    from ampguard.errors import AmpguardWarning
+
+    with pytest.warns(AmpguardWarning, match=r"AmpGuardPlugin: OwnClipGradients\.clip_gradients is overridden; Lightning "
+                                             r"runs it before the guard's step"):
+        fit(OwnClipGradients(), AmpGuardPlugin("bf16-mixed", max_norm=1.0), steps=1)

@@ -198,8 +198,8 @@ def _check_prepared(accelerator: Any, model: Any) -> None:
     given = {id(m) for m in getattr(accelerator, "_models", None) or []}
     if not given:
         return
-    named = (model.items() if isinstance(model, Mapping) else enumerate(model) if isinstance(model, (list, tuple))
-             else [(None, model)])
+    named = (model.items() if isinstance(model, (Mapping, torch.nn.ModuleDict)) else enumerate(model)
+             if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [(None, model)])
     for key, each in named:
         found = _inside_unprepared(each, given)
         if found is not None:

@@ -317,11 +317,13 @@ class AmpGuardPlugin(_LightningPrecision):
                                f"monitor or stop_reason (a stop by the guard looks like a finished fit there); "
                                f"the CSV and the trackers hold the run. strategy='ddp' (torchrun or Lightning's "
                                f"own launch) keeps them on rank 0", category=AmpguardWarning)
-            if module.automatic_optimization and is_overridden("configure_gradient_clipping", module):
+            clipping = next((hook for hook in ("configure_gradient_clipping", "clip_gradients")
+                             if is_overridden(hook, module)), None)  # (the second: review 48g)
+            if module.automatic_optimization and clipping is not None:
                 # warned, not refused: the override may not clip at all (Lightning's own example
                 # forwards gradient_clip_val, unset here; a logging hook), and a clip through
-                # self.clip_gradients is refused when it runs; only a direct clip goes unseen
-                rank_zero_warn(f"AmpGuardPlugin: {type(module).__name__}.configure_gradient_clipping is overridden; "
+                # Lightning's own clip_gradients is refused when it runs; only a direct clip goes unseen
+                rank_zero_warn(f"AmpGuardPlugin: {type(module).__name__}.{clipping} is overridden; "
                                f"Lightning runs it before the guard's step, so a clip there (clip_grad_norm_) "
                                f"clips first and the CSV's grad_l2_pre_clip is the norm after it: clip with the "
                                f"plugin's max_norm and look at gradients in on_before_optimizer_step instead",
