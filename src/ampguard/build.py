@@ -653,13 +653,13 @@ def _cut_back_logs_off(config: Config, paths: RunPaths, keep_through: int | None
             TensorBoardSink.purge_after(log_dir, keep_through)
 
     def headroom_rows(path: Path) -> None:
-        CsvSink.check_header(path, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS), f"cannot cut it back {OFF_LOG}")
+        CsvSink.check_header(path, HEADROOM_COLUMNS, ", ".join(HEADROOM_COLUMNS), OFF_LOG)
         CsvSink.cut_after(path, len(HEADROOM_COLUMNS), keep_through, OFF_LOG, read_back=check_headroom_rows)
 
     if not config.log.jsonl:
-        cut(paths.dir / "steps.jsonl", lambda path: JsonlSink.cut_after(path, keep_through, OFF_LOG))
+        cut(paths.steps_jsonl, lambda path: JsonlSink.cut_after(path, keep_through, OFF_LOG))
     if not config.log.tensorboard:
-        cut(paths.dir / "tensorboard", purge)
+        cut(paths.tensorboard, purge)
     if headroom is None:
         cut(paths.dir / HEADROOM_CSV, headroom_rows)
 

@@ -1194,11 +1194,10 @@ class Config(_Section):
         if opt.name == "adamw" and opt.lr / (1 - opt.betas[0]) > MAX_SCALE:  # (1e38 with beta1 0.9: a traceback)
             raise ValueError(f"optimizer.lr: AdamW's first step scales it by 1 / (1 - betas[0]) ({opt.lr:g} / "
                              f"{1 - opt.betas[0]:g}), past the largest float32 ({MAX_SCALE:.6g}): make it smaller")
-        decay = self.optimizer.lr * self.optimizer.weight_decay
-        if self.optimizer.name == "adamw" and decay >= 1:  # (1e300 applied step 1, then every loss was NaN)
-            raise ValueError(f"optimizer.weight_decay: AdamW multiplies every weight by 1 - lr x weight_decay each step "
-                             f"(1 - {self.optimizer.lr:g} x {self.optimizer.weight_decay:g}), which at 1 or above zeroes "
-                             "or flips them; make lr x weight_decay < 1")
+        if opt.name == "adamw" and opt.lr * opt.weight_decay >= 1:  # (1e300 applied step 1, then every loss NaN)
+            raise ValueError(f"optimizer.weight_decay: AdamW multiplies every weight by 1 - lr x weight_decay each "
+                             f"step (1 - {opt.lr:g} x {opt.weight_decay:g}), which at 1 or above zeroes or flips them; "
+                             "make lr x weight_decay < 1")
         if self.scaler.enabled and not uses_loss_scaler(self.precision):
             raise ValueError(f"scaler.enabled: {self.precision} does not use a loss scaler (set it false or null)")
         if self.rollback.triggers and not (self.checkpoint.enabled and self.checkpoint.every > 0):

@@ -482,11 +482,11 @@ def _check_keep_through(keep_through: int | None) -> None:
 
 
 RESUME, ATTEMPT = "to resume", "for the loop's new attempt"
+"""What a log is cut back to a step for (:func:`_cut`'s ``purpose``): a resume from a checkpoint,
+or a training loop that began again there (:meth:`_LineFile.begin_again`, ``CsvSink(again=True)``)."""
 OFF_LOG = "for the resume"
 """A cut's purpose for a log the resumed run turned off (it neither writes nor reads it): the
 rows after the step cut back, and a refusal says it "cannot cut it back for the resume"."""
-"""What a log is cut back to a step for (:func:`_cut`'s ``purpose``): a resume from a checkpoint,
-or a training loop that began again there (:meth:`_LineFile.begin_again`, ``CsvSink(again=True)``)."""
 
 
 def _refused(purpose: str, how: str = "from") -> str:
@@ -499,6 +499,18 @@ def _refused(purpose: str, how: str = "from") -> str:
         ('cannot resume from it', 'cannot resume into it', "cannot cut it back for the loop's new attempt")
     """
     return f"cannot resume {how} it" if purpose == RESUME else f"cannot cut it back {purpose}"
+
+
+def _cannot_use(purpose: str) -> str:
+    """What a log whose header (or first line) is not this run's says cannot be done: a resume
+    appends to it; another ``purpose`` only cuts it back (:func:`_refused`).
+
+    Example::
+
+        >>> _cannot_use(RESUME), _cannot_use(OFF_LOG)
+        ('cannot append', 'cannot cut it back for the resume')
+    """
+    return "cannot append" if purpose == RESUME else _refused(purpose)
 
 
 def _was_cut(path: Path, step: int, purpose: str) -> str:
@@ -825,10 +837,10 @@ class CsvSink(_LineFile):
         self.rows = 0
 
     @staticmethod
-    def check_header(path: Path, columns: tuple[str, ...], expected: str, doing: str = "cannot append") -> None:
+    def check_header(path: Path, columns: tuple[str, ...], expected: str, purpose: str = RESUME) -> None:
         """One :class:`InputError` line unless the CSV at ``path`` (if any) has the header
-        ``columns`` (``expected`` names them, for the error; ``doing``: what it says cannot be
-        done). A resume checks every file it
+        ``columns`` (``expected`` names them, for the error; ``purpose``: what it is read for,
+        :func:`_cannot_use`). A resume checks every file it
         appends to before it cuts any (``Trainer``): a refused resume changes none of them.
 
         Example::
@@ -853,11 +865,11 @@ class CsvSink(_LineFile):
             with path.open(newline="", encoding="utf-8") as f:
                 header = tuple(next(csv.reader(f), ()))
         except (UnicodeDecodeError, csv.Error) as err:
-            raise InputError(f"{path}: not a CSV this run wrote ({first_line(err)}), {doing}") from None
+            raise InputError(f"{path}: not a CSV this run wrote ({first_line(err)}), {_cannot_use(purpose)}") from None
         if header != columns:
             bom = header[:1] and header[0].startswith("\ufeff")  # (report reads past one; an append cannot)
             said = " (it starts with a byte-order mark: saved again by a spreadsheet?)" if bom else ""
-            raise InputError(f"{path}: its header does not match {expected}{said}, {doing}")
+            raise InputError(f"{path}: its header does not match {expected}{said}, {_cannot_use(purpose)}")
 
     def begin_again(self, step: int) -> str | None:
         before = _log_identity(self.path)
@@ -1192,7 +1204,7 @@ class JsonlSink(_LineFile):
         :class:`CsvSink` refuses a header that does not match), and left as it is. For the file
         a resume appends to, and for one it does not (``log.jsonl`` turned off: its lines after
         the step are the abandoned timeline's: ``purpose`` :data:`OFF_LOG`)."""
-        cls.check_step_log(path, "cannot append" if purpose == RESUME else _refused(purpose))
+        cls.check_step_log(path, purpose)
         lines = path.read_bytes().splitlines(keepends=True)
         keep = 0  # how many lines stay
         for line in lines:
@@ -1203,17 +1215,17 @@ class JsonlSink(_LineFile):
         _cut(path, b"".join(lines[:keep]), step, purpose)  # (a link stays one)
 
     @staticmethod
-    def check_step_log(path: Path, doing: str = "cannot append") -> None:
+    def check_step_log(path: Path, purpose: str = RESUME) -> None:
         """One :class:`InputError` line unless the file at ``path`` (if any) starts with a step
         record: what a resume appends to (checked before any file is cut, as
-        :meth:`CsvSink.check_header`); ``doing``: what it says cannot be done."""
+        :meth:`CsvSink.check_header`; ``purpose`` as there)."""
         if not _has_lines(path):
             return
         with path.open("rb") as f:
             first = f.readline(1 << 20)
         if _record_step(first) is None:
             raise InputError(f"{path}: its first line is not a step record (a JSON object with an "
-                             f"integer \"step\"), {doing}")
+                             f"integer \"step\"), {_cannot_use(purpose)}")
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         if record is None:

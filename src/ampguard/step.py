@@ -519,11 +519,9 @@ it gives up on that optimizer (its gradients stay 0, or it skips every step: an 
 host read a step, otherwise for ever; review 48g)."""
 
 
-def _of_optimizers(names: tuple[str, ...], optimizers: Mapping[str, Any]) -> str:
-    """`` of optimizer "d"`` (``names``) where a guard has several, else nothing."""
-    if len(optimizers) == 1:
-        return ""
-    return f" of optimizer{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}"
+def _of_optimizer(name: str, optimizers: Mapping[str, Any]) -> str:
+    """`` of optimizer 'd'`` where a guard has several, else nothing."""
+    return f" of optimizer {name!r}" if len(optimizers) > 1 else ""
 
 
 class UnsyncedReplicasWarning(AmpguardWarning):
@@ -1386,7 +1384,7 @@ class Guard:
             self._replicas_unjudged.discard(name)
             if high - low > distributed.REPLICA_SPREAD * high:
                 warnings.warn(UnsyncedReplicasWarning(
-                    f"the ranks' gradient norms{_of_optimizers((name,), self.optimizers)} differ at step {self.steps} "
+                    f"the ranks' gradient norms{_of_optimizer(name, self.optimizers)} differ at step {self.steps} "
                     f"({low:.6g} to {high:.6g}): each rank applies its own gradients, so the replicas drift apart "
                     f"while the guard ties their skips and averages their losses into one record; wrap the model "
                     f"(DistributedDataParallel, fully_shard) and give the guard the wrapped one (Accelerate: the "

@@ -204,11 +204,11 @@ def _check_prepared(accelerator: Any, model: Any) -> None:
         found = _inside_unprepared(each, given)
         if found is not None:
             which = f" (model {key!r})" if key is not None else ""
-            raise ValueError(f"make_guard got the {type(found).__name__}{which} from before accelerator.prepare (or from inside "
-                             "what it returned), which prepare wrapped for several processes: give the guard, and the "
-                             "loop's forward, the model prepare returned (model, opt, data = accelerator.prepare(model, "
-                             "opt, data)): the one inside is never all-reduced by itself, and the guard defers the "
-                             "wrapper's all-reduce mid-group")
+            raise ValueError(f"make_guard got the {type(found).__name__}{which} from before accelerator.prepare (or "
+                             "from inside what it returned), which prepare wrapped for several processes: give the "
+                             "guard, and the loop's forward, the model prepare returned (model, opt, data = "
+                             "accelerator.prepare(model, opt, data)): the one inside is never all-reduced by itself, "
+                             "and the guard defers the wrapper's all-reduce mid-group")
 
 
 def _inside_unprepared(module: Any, given: set[int]) -> Any:

@@ -317,8 +317,7 @@ class AmpGuardPlugin(_LightningPrecision):
                                f"monitor or stop_reason (a stop by the guard looks like a finished fit there); "
                                f"the CSV and the trackers hold the run. strategy='ddp' (torchrun or Lightning's "
                                f"own launch) keeps them on rank 0", category=AmpguardWarning)
-            clipping = next((hook for hook in ("configure_gradient_clipping", "clip_gradients")
-                             if is_overridden(hook, module)), None)  # (the second: review 48g)
+            clipping = next((hook for hook in _CLIPPING_HOOKS if is_overridden(hook, module)), None)
             if module.automatic_optimization and clipping is not None:
                 # warned, not refused: the override may not clip at all (Lightning's own example
                 # forwards gradient_clip_val, unset here; a logging hook), and a clip through
@@ -997,8 +996,8 @@ def _at_its_limit(trainer: pl.Trainer) -> bool:
 def _hooks_see_gradients(model: pl.LightningModule) -> bool:
     """Whether code of the user's runs on the gradients between the backward and the guard's
     step: an ``on_before_optimizer_step`` of the module's or a callback's, or the module's
-    ``configure_gradient_clipping`` or ``clip_gradients`` (Lightning's ``_after_closure`` runs them). With no loss
-    scaler, ``guard.unscale_()`` before them only records what PyTorch's non-finite check finds
+    :data:`_CLIPPING_HOOKS` (Lightning's ``_after_closure`` runs them). With no loss scaler,
+    ``guard.unscale_()`` before them only records what PyTorch's non-finite check finds
     (a hook that then clamps an inf, ``nan_to_num_`` or ``clip_grad_value_``, still skips the
     step); with none of them, the step's own check sees the same gradients, and that pass over
     them (~7% of a small MLP's step) is left out."""
@@ -1006,7 +1005,11 @@ def _hooks_see_gradients(model: pl.LightningModule) -> bool:
             or any(_overrides(cb, pl.Callback, "on_before_optimizer_step") for cb in model.trainer.callbacks))
 
 
-_GRADIENT_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping", "clip_gradients")
+_CLIPPING_HOOKS = ("configure_gradient_clipping", "clip_gradients")
+"""The LightningModule's hooks that clip (Lightning runs them before the guard's step): an
+override is warned of up front (it hides the pre-clip norm), and runs after the early check."""
+
+_GRADIENT_HOOKS = ("on_before_optimizer_step", *_CLIPPING_HOOKS)
 """The LightningModule's hooks that run between the backward and the optimizer step."""
 
 

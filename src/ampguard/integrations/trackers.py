@@ -182,8 +182,6 @@ def end_unserved(sinks: Sequence[Any], rank: int, who: str) -> None:
     for sink in trackers:
         sink._end(0, NOT_PROCESS_0.format(rank=rank))
     if trackers:
-        from ..errors import AmpguardWarning
-
         warnings.warn(f"{who}: {len(trackers)} tracker sink(s) given to process {rank} were ended unused: only "
                       "process 0 logs; build them on process 0 alone (their runs say so in 'ended')", AmpguardWarning)
 

@@ -351,14 +351,6 @@ class AmpGuardCallback(TrainerCallback):
                              "monitor and files are that trainer's): give a stock Trainer its own AmpGuardCallback()")
         _one_per_trainer(control, self)
 
-    def _on_every_process(self) -> contextlib.AbstractContextManager[None]:
-        """Around process 0's look at its files: its refusal raised on every process alike
-        (:func:`~ampguard.distributed.refused_on_every_rank`, a collective). The callback is on
-        every process, as the Trainer it is given to is made on every process (one given on
-        process 0 alone would wait there: review 48g weighed that against the usual setup, a stock
-        Trainer's callback on every process, whose other processes crashed unsaid)."""
-        return distributed.refused_on_every_rank()
-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # a second AmpGuardCallback added after the Trainer was built (trainer.add_callback): the
         # first one opened this train()'s files already; it takes them back, then this one refuses
@@ -389,8 +381,9 @@ class AmpGuardCallback(TrainerCallback):
         if not callable(self.sinks):  # (before anything is trained: the first step would fail on them)
             self._refuse_closed(self.sinks)
         folder = None
-        # process 0's verdict on its folder, raised on every process alike (the others never look at it)
-        with self._on_every_process():
+        # process 0's verdict on its folder, raised on every process alike (the others never look at it;
+        # a collective: the callback is on every process, as the Trainer it is given to is, review 48g)
+        with distributed.refused_on_every_rank():
             if state.is_world_process_zero:  # the folder of the files: a retry goes on in its train()'s; a
                 # hyperparameter search's trial has one of its own
                 home = self._home or Path(args.output_dir) / "ampguard"
@@ -461,7 +454,7 @@ class AmpGuardCallback(TrainerCallback):
         kept, had_csv = None, True
         # process 0's refusal of its files ("steps.csv already exists", a header a resume cannot append
         # to) raised on every process alike, as the folder's above
-        with self._on_every_process():
+        with distributed.refused_on_every_rank():
             if folder is not None:  # (process 0's)
                 folder.mkdir(parents=True, exist_ok=True)
                 had_csv = (folder / CSV_NAME).exists()  # (a resume's rows go on after its rows, or begin here)
@@ -493,9 +486,11 @@ class AmpGuardCallback(TrainerCallback):
                 "the LR schedule and the monitor start afresh" + "".join(f"; {note}" for note in sinks))}, "RETRY")
         # the sinks this train() serves, once its files are open (a train() refused before, "steps.csv
         # already exists", took none: the next one's are not ended for it, nor made)
-        if not retry:  # (a function of the state is called on process 0 alone, which logs)
-            self._given = list(self.sinks(state)) if callable(self.sinks) and state.is_world_process_zero else \
-                [] if callable(self.sinks) else list(self.sinks)
+        if not retry:
+            if callable(self.sinks):  # (called on process 0 alone, which logs)
+                self._given = list(self.sinks(state)) if state.is_world_process_zero else []
+            else:
+                self._given = list(self.sinks)
             self._refuse_closed(self._given)
         self._serving = self._given if state.is_world_process_zero else []
         if not state.is_world_process_zero:  # (only process 0 logs: a tracker run made here ends now, said)
