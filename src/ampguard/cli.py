@@ -472,7 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
         verb.add_argument("--fail-skip-rate", type=_rate, metavar="RATE",
                           help="stop with exit code 3 when the rolling skip rate stays above RATE (monitor.fail_rate)")
         verb.add_argument("--fail-after", type=_positive_int, metavar="N",
-                          help="...for N consecutive steps (monitor.fail_after, default 100)")
+                          help="...for N consecutive steps (monitor.fail_after, default 100; under fp16 the "
+                               "scaler's opening search, its halvings from init_scale, is set aside: a run that "
+                               "skips every step fails at step N, or when its scale reaches the floor if later)")
     train.set_defaults(func=_train)
 
     validate = verbs.add_parser(

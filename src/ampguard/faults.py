@@ -321,6 +321,7 @@ class FaultInjector:
                 loss = loss * SPIKE_FACTOR
             return loss
 
+        injected_loss.__wrapped__ = loss_fn  # type: ignore[attr-defined]  # (a diagnosis names the task's loss)
         return injected_loss
 
     def attach(self, model: nn.Module) -> None:

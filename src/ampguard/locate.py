@@ -27,7 +27,7 @@ import inspect
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext, redirect_stdout
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -236,6 +236,19 @@ class Finding:
     """With ``where == "forward"``: which call of module ``name`` in the pass (1: the first; a
     module the forward calls more than once, a shared or weight-tied block, is named with the call
     that made the value: "(its call 2)")."""
+    grad: str = ""
+    """With ``where == "backward"``, which gradient: ``""`` parameter ``name``'s; ``"input"`` the
+    gradient module ``name``'s backward passed to its input (from a finite gradient of its output;
+    ``also``: further modules reading that input, their gradients summed; ``before``: the module
+    whose output that input is, if one); ``"code"`` the gradient
+    of module ``before``'s output, made by the backward of module ``name``'s own code that reads
+    it (between its submodules); ``"loss"`` the gradient of the model's output, made by the loss's
+    backward (``op``: the loss)."""
+    also: list[str] = field(default_factory=list)
+    micro_batch: int = 0
+    """Of an accumulated step (:func:`diagnose_group`): which micro-batch (1-based) holds the
+    value, of ``micro_batches``; 0: a single pass."""
+    micro_batches: int = 0
 
     def place_text(self) -> str:
         """Where the value was, in words (the middle of :meth:`Diagnosis.message`).
@@ -261,6 +274,16 @@ class Finding:
         if self.where == "loss":
             return f"in the loss ({self.op})"
         finite = f", from a finite loss {self.loss:.4g}" if self.loss is not None else ""
+        if self.grad == "input":
+            readers = ", ".join([name, *self.also])
+            summed = " (their input gradients summed)" if self.also else ""
+            return (f"in backward, the input gradient of {readers} ({self.op}){summed}, made by its backward from a "
+                    f"finite gradient of its output{finite}")
+        if self.grad == "code":
+            return (f"in backward, the gradient of the output of {self.before}, made by the backward of the forward "
+                    f"code of {name} itself ({self.op}) that reads it{finite}")
+        if self.grad == "loss":
+            return f"in backward, the gradient of the model's output, made by the loss's backward ({self.op}){finite}"
         if not self.name:  # (every gradient finite, their norm not: the step's detector overflowed)
             return f"in backward, the {self.op}{finite}"
         return f"in backward, the gradient of parameter {self.name} ({self.op}){finite}"
@@ -284,10 +307,15 @@ class Diagnosis:
     loss_scale: float = 1.0
     """The loss scale the backward ran with under the run's precision (1: none)."""
     fp32_scope: str | None = None
-    """The smallest module that, run alone in FP32 (autocast off around it), makes the batch finite;
-    ``""`` is the whole model; None when no scope was tried or none fixed it."""
+    """The smallest module that, run alone in FP32 (autocast off around it), makes the batch finite
+    (with :attr:`fp32_also`: together with those); ``""`` is the whole model; None when no scope
+    was tried or none fixed it."""
+    fp32_also: list[str] = field(default_factory=list)
+    """The further modules kept in FP32 beside :attr:`fp32_scope` for the fix (each one a replay
+    with the modules before it kept named, :func:`find_fp32_scope`); empty: it alone."""
     scopes_tried: list[str] = field(default_factory=list)
-    """The modules replayed alone in FP32, innermost first, up to the first that fixed the batch."""
+    """The scopes replayed in FP32, in order (several together as ``a + b``), up to the first that
+    fixed the batch."""
     scope_scale: float | None = None
     """The loss scale :attr:`fp32_scope`'s replay was finite at: :attr:`loss_scale`, or the lowest
     the scaler reaches (its floor, or 1) when at the step's own scale only the scaled gradient
@@ -336,7 +364,8 @@ class Diagnosis:
                         "reach them")
             return f"no non-finite value in forward, loss or backward under {f.precision}{loss}"
         place = f.place_text()
-        first = f"first {f.kind} under {f.precision}: {place}"
+        within = f" in micro-batch {f.micro_batch} of {f.micro_batches}" if f.micro_batch else ""  # (its loss: not the step's)
+        first = f"first {f.kind} under {f.precision}{within}: {place}"
         if self.fp8_scales:
             first += f"; a float8 scale broke first: {self.fp8_scales[0]}"
         if self.verdict == "precision-range" and f.op.endswith(SUMMED):  # (float32 gradients summed: no dtype of AMP's)
@@ -399,7 +428,7 @@ class Diagnosis:
             >>> d._scope_hint()
             '; keeping blocks.3.mlp in FP32 (autocast off around it alone) fixes this batch'
             >>> Diagnosis(d.amp, d.fp32, "precision-range", scopes_tried=["blocks.3.mlp.fc", ""])._scope_hint()
-            '; no module alone in FP32 fixes this batch (tried blocks.3.mlp.fc, <model>); run the whole step in FP32'
+            '; no module in FP32 fixes this batch (tried blocks.3.mlp.fc, <model>); run the whole step in FP32'
             >>> Diagnosis(Finding("forward", "blocks.3", "Block", "inf", precision="fp8"), d.fp32, "precision-range",
             ...           fp32_scope="blocks.3")._scope_hint()  # under fp8 its Linear layers leave float8 too
             '; keeping blocks.3 in FP32 (autocast and float8 off around it alone) fixes this batch'
@@ -409,15 +438,22 @@ class Diagnosis:
                 f"{self.loss_scale:g} its gradient still overflows {self.amp.precision}, which the scaler answers by "
                 "halving the scale and skipping the step while it settles)") if lower else ""
         if self.fp32_scope == "":
-            return ("; only the whole model in FP32 (autocast off, the same loss scale) fixes this batch" if not lower
-                    else f"; only the whole model in FP32 (autocast off) fixes this batch{then}")
+            tried = ", ".join(name for name in self.scopes_tried[:-1] if name)
+            smaller = f"no smaller scope in FP32 does (tried {tried}); " if tried else ""
+            return (f"; {smaller}the whole model in FP32 (autocast off, the same loss scale) fixes this batch"
+                    if not lower else f"; {smaller}the whole model in FP32 (autocast off) fixes this batch{then}")
+        if self.fp32_scope is not None and self.fp32_also:
+            how = "autocast and float8 off" if self.amp.precision == "fp8" else "autocast off"
+            kept = [self.fp32_scope, *self.fp32_also]
+            return (f"; keeping {', '.join(kept[:-1])} and {kept[-1]} in FP32 together ({how} around each; fp32_modules="
+                    f"[{','.join(kept)}]) fixes this batch{then}")
         if self.fp32_scope is not None:
             how = "autocast and float8 off" if self.amp.precision == "fp8" else "autocast off"
             return f"; keeping {self.fp32_scope} in FP32 ({how} around it alone) fixes this batch{then}"
         if self.scopes_tried:
             tried = ", ".join(name or "<model>" for name in self.scopes_tried)
-            return f"; no module alone in FP32 fixes this batch (tried {tried}); run the whole step in FP32"
-        if self.amp.where == "loss":
+            return f"; no module in FP32 fixes this batch (tried {tried}); run the whole step in FP32"
+        if self.amp.where == "loss" or self.amp.grad == "loss":
             return "; compute the loss in FP32 (on the outputs cast to float32, outside autocast)"
         return "; run that module outside autocast or in FP32"
 
@@ -434,7 +470,8 @@ class Diagnosis:
         """
         return {"verdict": self.verdict, "amp": asdict(self.amp),
                 "fp32": asdict(self.fp32) if self.fp32 else None, "loss_scale": self.loss_scale,
-                "fp32_scope": self.fp32_scope, "scopes_tried": list(self.scopes_tried), "scope_scale": self.scope_scale,
+                "fp32_scope": self.fp32_scope, "fp32_also": list(self.fp32_also), "scopes_tried": list(self.scopes_tried),
+                "scope_scale": self.scope_scale,
                 "injected": list(self.injected),
                 "bad_weight": self.bad_weight, "fp8_scales": list(self.fp8_scales),
                 "overflows_unscaled": self.overflows_unscaled, "message": self.message()}
@@ -447,7 +484,7 @@ def trace_first_non_finite(
     targets: Any,
     precision: Precision,
     loss_scale: float = 1.0,
-    fp32_module: str | None = None,
+    fp32_module: str | Sequence[str] | None = None,
     accumulation_steps: int = 1,
     seen: _Seen | None = None,
     known: _Seen | None = None,
@@ -523,13 +560,24 @@ def trace_first_non_finite(
     # as an in-place op inside the module (a Dropout(inplace=True)) writes its output over that input
     calls: list[tuple[nn.Module, str, list[str], str | None, list[str], torch.Tensor | None]] = []
     counts: dict[int, int] = {}
+    grad_found: list[Finding] = []
+    flows = _Flows(names, grad_found, label)
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         counts[id(module)] = n = counts.get(id(module), 0) + 1
         key = f"{names.get(id(module), '?')}#{n}"
+        given = _tensors(args) + _tensors(kwargs)
         first = next(iter(_tensors(args) or _tensors(kwargs)), None)  # (self.b(input=t): a keyword's)
         born, where = (None, None) if first is None else _bad_at(first, known_at.get(f"in:{key}"))
         seen.note(f"in:{key}", where)
+        if born is None:  # a NaN or +inf in a later argument came in non-finite too (a -inf there: a mask)
+            for j, later in enumerate(given[1:], 1):
+                kind, at = _bad_at(later, known_at.get(f"in{j}:{key}"))
+                seen.note(f"in{j}:{key}", at)
+                if at is not None and bool(((at == NAN) | (at == POS_INF)).any()):
+                    born, first, where = ("nan" if bool((at == NAN).any()) else "inf"), later, at
+                    break
+        flows.read(module, given, calls[-1][0] if calls else None)
         calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first), where))
 
     def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -538,6 +586,7 @@ def trace_first_non_finite(
         if not calls or calls[-1][0] is not module:
             return
         _, key, dtypes, born, first_dtypes, first_where = calls.pop()
+        flows.made(module, _tensors(args) + _tensors(kwargs), _tensors(output), calls[-1][0] if calls else None)
         kind, where = _bad_at(output, known_at.get(f"out:{key}"))
         seen.note(f"out:{key}", where, first=kind is not None and not found and born is None)
         if kind is None or found:
@@ -562,7 +611,6 @@ def trace_first_non_finite(
     handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()]
     handles += [m.register_forward_hook(forward_hook, with_kwargs=True, always_call=True) for m in model.modules()]
     saved_grads = {id(p): p.grad for p in model.parameters()}
-    grad_found: list[Finding] = []
     try:
         for p in model.parameters():
             p.grad = None
@@ -601,16 +649,114 @@ def trace_first_non_finite(
             if inf or nan and loss_kind == "nan":
                 kind = "nan" if nan and loss_kind == "nan" else "inf"
                 return Finding("input", "targets", kind=kind, input_dtypes=_dtypes(targets), precision=label)
-            fn = inspect.unwrap(loss_fn)  # through a wrapper (the fault injector's) to the task's loss
-            return Finding("loss", op=getattr(fn, "__name__", type(fn).__name__), kind=loss_kind,
-                           output_dtypes=_dtypes(loss), precision=label)
+            return Finding("loss", op=_loss_name(loss_fn), kind=loss_kind, output_dtypes=_dtypes(loss), precision=label)
         grad_found[0].loss = value  # (the backward's: the loss was finite, and its size is the evidence)
+        if grad_found[0].grad == "loss":
+            grad_found[0].op = _loss_name(loss_fn)
         return grad_found[0]
     finally:
+        flows.close()
         for handle in handles:
             handle.remove()
         for p in model.parameters():
             p.grad = saved_grads.get(id(p))
+
+
+class _Flows:
+    """The backward's places between modules, for :func:`trace_first_non_finite`: each tensor a
+    module call takes or returns that needs a gradient (by identity and in-place version: a
+    ``ReLU(inplace=True)``'s output is another place than its input), the modules that read it
+    and the module whose code made it. A hook on each says, at the first gradient there that is
+    not finite (the gradients after it, closer to the loss, were all finite: the backward runs
+    from the loss), whose backward made it: the one module that reads it (its backward turned a
+    finite gradient of its output into a non-finite one of its input), else the code of the
+    module that reads it, else (the model's output) the loss's (review 49a: a parameter's
+    gradient alone named the module before the one whose backward overflowed).
+
+    Example (``b``'s input gradient, 3e4 x 1e4, overflows fp16; its own weight's gradient does not)::
+
+        >>> model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.fill_(1e-4), model[1].weight.fill_(3e4), model[0].bias.zero_(), model[1].bias.zero_()
+        >>> def loss_fn(out, y):
+        ...     return out.float().sum() * 1e4
+        >>> f = trace_first_non_finite(model, loss_fn, torch.ones(1, 1), None, Precision("fp16", "cpu"))
+        >>> f.place_text()
+        'in backward, the input gradient of 1 (Linear), made by its backward from a finite gradient of its output, from a finite loss 3e+04'
+    """
+
+    def __init__(self, names: dict[int, str], found: list[Finding], label: str) -> None:
+        self.names, self.found, self.label = names, found, label
+        self.places: dict[tuple[int, int], dict[str, Any]] = {}
+        self.handles: list[Any] = []
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[int, int]:
+        return id(t), t._version
+
+    def _place(self, t: torch.Tensor, caller: nn.Module | None) -> dict[str, Any] | None:
+        if not (t.requires_grad and t.is_floating_point()):
+            return None
+        key = self._key(t)
+        if key not in self.places:
+            place = self.places[key] = {"tensor": t, "readers": [], "maker": None, "caller": caller}  # (held: ids stay unique)
+            self.handles.append(t.register_hook(lambda grad, place=place: self._seen(grad, place)))
+        return self.places[key]
+
+    def read(self, module: nn.Module, given: list[torch.Tensor], caller: nn.Module | None) -> None:
+        """``module`` is called with ``given`` by ``caller``'s code (None: the model is called)."""
+        for t in given:
+            place = self._place(t, caller)
+            if place is not None and module not in place["readers"]:
+                place["readers"].append(module)
+
+    def made(self, module: nn.Module, given: list[torch.Tensor], outputs: list[torch.Tensor],
+             caller: nn.Module | None) -> None:
+        """``module``, called by ``caller``, returned ``outputs``; one it was given as it is
+        (``nn.Identity``, a ``Sequential``'s last output) it passed on: it is not its reader."""
+        taken = {self._key(t) for t in given}
+        for t in outputs:
+            if self._key(t) in taken:
+                place = self.places.get(self._key(t))
+                if place is not None and module in place["readers"]:
+                    place["readers"].remove(module)
+                continue
+            place = self._place(t, caller)
+            if place is not None and place["maker"] is None:  # (the innermost module that made it)
+                place["maker"], place["caller"] = module, caller
+            if place is not None and caller is None:  # (the model's output: the loss reads it)
+                place["output"] = True
+
+    def _seen(self, grad: torch.Tensor, place: dict[str, Any]) -> None:
+        if self.found or (kind := _bad(grad)) is None:
+            return
+        dtype = [str(grad.dtype).removeprefix("torch.")]
+        readers = place["readers"]
+        if readers:
+            names = [self.names.get(id(m), "?") for m in readers]
+            maker = "" if place["maker"] is None else self.names.get(id(place["maker"]), "?")
+            self.found.append(Finding("backward", names[0], type(readers[0]).__name__, kind, [], dtype, self.label,
+                                      before=maker, grad="input", also=names[1:]))
+        elif place["maker"] is None:
+            return
+        elif place.get("output"):  # (the loss's backward; the module that made the output: kept in FP32, it is float32)
+            self.found.append(Finding("backward", "", "", kind, [], dtype, self.label,
+                                      before=self.names.get(id(place["maker"]), "?"), grad="loss"))
+        elif place["caller"] is not None:
+            caller = place["caller"]
+            self.found.append(Finding("backward", self.names.get(id(caller), "?"), type(caller).__name__, kind, [],
+                                      dtype, self.label, before=self.names.get(id(place["maker"]), "?"), grad="code"))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.places.clear()
+
+
+def _loss_name(loss_fn: Callable[..., Any]) -> str:
+    """The loss function's name, through a wrapper (the fault injector's) to the task's loss."""
+    fn = inspect.unwrap(loss_fn)
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _call_of(key: str) -> int:
@@ -619,7 +765,7 @@ def _call_of(key: str) -> int:
 
 
 @contextmanager
-def _replaying(model: nn.Module, precision: Precision, fp32_module: str | None) -> Iterator[None]:
+def _replaying(model: nn.Module, precision: Precision, fp32_module: str | Sequence[str] | None) -> Iterator[None]:
     """A replay's forward and backward: the module kept in FP32 (:func:`fp32_around`) stays so
     through the backward (a recompute of activation checkpointing runs its forward again there),
     and an FP32 pass keeps FP32 strict (no TF32) through it too; autocast, which the caller puts
@@ -680,10 +826,10 @@ def _gradients_after(model: nn.Module, loss_scale: float, label: str, summed: bo
 
 
 @contextmanager
-def fp32_around(model: nn.Module, name: str | None) -> Iterator[None]:
-    """While inside, the submodule ``name`` of ``model`` (``""``: the model itself; None: none) runs
-    with autocast disabled and its floating inputs cast to FP32: the usual fix, "keep this module
-    in FP32", tried on one batch. Under fp8 its float8 layers (torchao's ``Float8Linear``) compute
+def fp32_around(model: nn.Module, name: str | Sequence[str] | None) -> Iterator[None]:
+    """While inside, the submodule ``name`` of ``model`` (``""``: the model itself; None: none; a
+    list: each of them) runs with autocast disabled and its floating inputs cast to FP32: the usual
+    fix, "keep this module in FP32" (``fp32_modules``), tried on one batch. Under fp8 its float8 layers (torchao's ``Float8Linear``) compute
     a plain FP32 ``F.linear`` on their master weights too: autocast does not reach their casts.
     The forwards are wrapped for the duration and put back.
 
@@ -696,21 +842,18 @@ def fp32_around(model: nn.Module, name: str | None) -> Iterator[None]:
         >>> "forward" in vars(model[0])  # put back
         False
     """
-    if name is None:
-        yield
-        return
     from .fp8 import float8_modules
-
-    module = model.get_submodule(name)
 
     def plain_linear(layer: nn.Module) -> Callable[..., Any]:
         # (named as Float8Linear.forward names it: a model may call layer(input=x))
         return fp32_forward(lambda input: nn.functional.linear(input, layer.weight, layer.bias))
 
     with ExitStack() as stack:
-        for layer in float8_modules(module):
-            stack.enter_context(_forward_replaced(layer, plain_linear(layer)))
-        stack.enter_context(_forward_replaced(module, fp32_forward(module.forward)))
+        for each in [] if name is None else [name] if isinstance(name, str) else name:
+            module = model.get_submodule(each)
+            for layer in float8_modules(module):
+                stack.enter_context(_forward_replaced(layer, plain_linear(layer)))
+            stack.enter_context(_forward_replaced(module, fp32_forward(module.forward)))
         yield
 
 
@@ -740,6 +883,10 @@ def _scopes(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
 
 
+MAX_KEPT = 4
+"""The most modules :func:`find_fp32_scope` keeps in FP32 together before it tries their parents."""
+
+
 def find_fp32_scope(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -747,19 +894,26 @@ def find_fp32_scope(
     targets: Any,
     precision: Precision,
     loss_scale: float,
-    module: str,
+    module: str | Sequence[str],
     accumulation_steps: int = 1,
     start: Callable[[], None] | None = None,
     lowest: float | None = None,
-) -> tuple[str | None, list[str], float | None]:
-    """Replay the batch with ``module`` alone in FP32, then its parent, up to the model, until one
-    makes the batch all finite: ``(that scope or None, the scopes tried, the loss scale it was
-    finite at)``. Each replay keeps the run's precision elsewhere, its loss scale and accumulation
-    steps, and starts from the RNG state and the buffers this was called with (dropout draws the
-    same masks each time; a buffer the forward updates, a counter or a cache, reads the same); the
-    buffers are put back afterwards. ``start``: what puts that state back before each replay and at
-    the end (:func:`_diagnose`'s, which holds a snapshot already); None: one taken here (a copy of
-    the buffers).
+    known: _Seen | None = None,
+) -> tuple[list[str] | None, list[str], float | None]:
+    """Replay the batch with ``module`` (a list: those modules) in FP32 and, while a value is
+    still non-finite, with the module that replay names kept in FP32 as well (up to
+    :data:`MAX_KEPT` together); then with their enclosing module alone, then its parent, up to the
+    model, until the batch is all finite: ``(the modules so kept or None, the scopes tried as
+    ``a + b`` for several, the loss scale it was finite at)``. A value whose range a module's FP32
+    output leaves to the next module (a sum that module casts back to fp16, a gradient the module
+    before it takes back into fp16) is fixed by the two together, which no single enclosing module
+    but the model is (review 49a: "only the whole model" was advised where two Linears did). Each
+    replay keeps the run's precision elsewhere, its loss scale and accumulation steps, and starts
+    from the RNG state and the buffers this was called with (dropout draws the same masks each
+    time; a buffer the forward updates, a counter or a cache, reads the same); the buffers are
+    put back afterwards. ``start``: what puts that state back before each replay and at the end
+    (:func:`_diagnose`'s, which holds a snapshot already); None: one taken here (a copy of the
+    buffers).
 
     ``lowest``: the lowest loss scale the run's scaler reaches (its floor ``min_scale``, or 1), when
     it is below ``loss_scale``. A scope whose replay is left with only a gradient overflow at
@@ -767,6 +921,8 @@ def find_fp32_scope(
     scaler's to answer, by halving and skipping, as it does while it settles (review 46a: at the
     first skip of an fp16 run, scale 65536, a forward overflow one Linear in FP32 fixes was
     blamed on the whole model, since the scaled backward overflowed too in every scope).
+    ``known``: the FP32 pass's non-finite places (:func:`trace_first_non_finite`'s): a value
+    non-finite there too (a ``-inf`` mask) names no module to keep.
 
     Example (a block's Linear outputs 1e5, past fp16's 65504; the LayerNorm after it brings it back
     in range, so that Linear alone in FP32 fixes the batch; the output Linear alone does not)::
@@ -777,9 +933,9 @@ def find_fp32_scope(
         >>> x, y = torch.full((1, 2), 50.0), torch.zeros(1, 1)
         >>> fp16 = Precision("fp16", "cpu")
         >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "0.0")
-        ('0.0', ['0.0'], 1.0)
-        >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "1")  # not the culprit: only the model
-        ('', ['1', ''], 1.0)
+        (['0.0'], ['0.0'], 1.0)
+        >>> find_fp32_scope(model, nn.functional.mse_loss, x, y, fp16, 1.0, "1")  # not the culprit: it and the one that is
+        (['1', '0.0'], ['1', '1 + 0.0'], 1.0)
     """
     from .checkpoint import rng_state, set_rng_state
     from .untouched import BufferSnapshot
@@ -791,31 +947,104 @@ def find_fp32_scope(
             set_rng_state(rng)
             buffers.put_back()
     tried: list[str] = []
-    try:
-        for scope in _scopes(module):
-            tried.append(scope)
-            start()
-            found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale,
-                                           fp32_module=scope, accumulation_steps=accumulation_steps)
+
+    def replay(kept: list[str]) -> tuple[Finding, float | None]:
+        """The replay with ``kept`` in FP32: its finding, and the loss scale it was finite at (None: not)."""
+        tried.append(" + ".join(kept))  # (a set never holds the model, "": it holds every module)
+        start()
+        found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, loss_scale, fp32_module=kept,
+                                       accumulation_steps=accumulation_steps, known=known)
+        if found.where == "none":
+            return found, loss_scale
+        if found.where == "backward" and lowest is not None and loss_scale > round_float32(lowest):
+            start()  # (what is left at the scale the scaler backs off to is the range problem to keep out)
+            found = trace_first_non_finite(model, loss_fn, inputs, targets, precision, lowest, fp32_module=kept,
+                                           accumulation_steps=accumulation_steps, known=known)
             if found.where == "none":
-                return scope, tried, loss_scale
-            if found.where == "backward" and lowest is not None and loss_scale > round_float32(lowest):
-                start()
-                if trace_first_non_finite(model, loss_fn, inputs, targets, precision, lowest, fp32_module=scope,
-                                          accumulation_steps=accumulation_steps).where == "none":
-                    return scope, tried, lowest
+                return found, lowest
+        return found, None
+
+    first = [module] if isinstance(module, str) else list(module)
+    try:
+        kept = first
+        while True:
+            found, at = replay(kept)
+            if at is not None and len(kept) > 1 and _holds_only(model, enclosing := _enclosing(kept), kept):
+                # (they are every module with weights of the one that holds them: that one, said more simply)
+                together = tried.pop()
+                if (whole_at := replay([enclosing])[1]) is not None:
+                    return [enclosing], tried, whole_at
+                tried.append(together)
+            if at is not None:
+                return kept, tried, at
+            def free(m: str) -> bool:
+                return not any(_within(m, k) or _within(k, m) for k in kept)
+            more = [m for m in _modules_of(found) or [] if free(m)]
+            if not more and found.grad == "input" and found.before and free(found.before):
+                more = [found.before]  # (its reader kept already: the gradient is cast back to that half output)
+            if not more or len(kept) + len(more) > MAX_KEPT:
+                break
+            kept = kept + more
+        for scope in _scopes(_enclosing(first))[len(first) == 1:]:  # (one module alone: tried above)
+            if (at := replay([scope])[1]) is not None:
+                return [scope], tried, at
         return None, tried, None
     finally:
         start()
 
 
-def _module_of(finding: Finding) -> str | None:
-    """The module a finding points at: a forward output's module, a gradient's owner; else None."""
+def _holds_only(model: nn.Module, scope: str, kept: list[str]) -> bool:
+    """Whether every module inside ``scope`` that holds parameters of its own is in ``kept`` or
+    inside one of them (``scope`` in FP32 then computes little more than ``kept`` do).
+
+    Example::
+
+        >>> mlp = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> _holds_only(mlp, "", ["0", "2"]), _holds_only(mlp, "", ["0"])
+        (True, False)
+    """
+    return all(any(_within(name, k) for k in kept)
+               for name, module in model.get_submodule(scope).named_modules(prefix=scope)
+               if next(module.parameters(recurse=False), None) is not None)
+
+
+def _within(name: str, scope: str) -> bool:
+    """Whether module ``name`` is ``scope`` or inside it (``""``: the model holds every module)."""
+    return scope == "" or name == scope or name.startswith(scope + ".")
+
+
+def _enclosing(names: list[str]) -> str:
+    """The innermost module that holds each of ``names``.
+
+    Example::
+
+        >>> _enclosing(["blocks.0.attn.q", "blocks.0.attn.k"]), _enclosing(["a"]), _enclosing(["a.b", "c"])
+        ('blocks.0.attn', 'a', '')
+    """
+    common = names[0].split(".") if names[0] else []
+    for name in names[1:]:
+        parts = name.split(".") if name else []
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common)
+
+
+def _modules_of(finding: Finding) -> list[str] | None:
+    """The modules a finding points at: a forward output's module, a gradient's owner, the
+    module(s) whose backward made it; else None (the input, the loss)."""
     if finding.where == "forward":
-        return finding.name
-    if finding.where == "backward":
-        return finding.name.rpartition(".")[0]
-    return None
+        return [finding.name]
+    if finding.where == "backward" and finding.grad == "input":
+        return [finding.name, *finding.also]
+    if finding.where == "backward" and finding.grad == "code":
+        return [finding.name]
+    if finding.where == "backward" and finding.grad == "loss":  # (the module whose output it is)
+        return [finding.before]
+    if finding.where == "backward" and finding.grad == "" and finding.name:
+        return [finding.name.rpartition(".")[0]]
+    return None  # (the input, the loss, the gradients' norm)
 
 
 def diagnose_group(
@@ -883,6 +1112,8 @@ def diagnose_group(
                 result = _diagnose(inner, loss_fn, inputs, targets, precision, loss_scale, n, after,
                                    buffers_after=i < len(batches) - 1, scale_floor=scale_floor)
                 if result.verdict != "none":
+                    if len(batches) > 1:  # (its loss is that micro-batch's, not the step's: which one, said)
+                        result.amp.micro_batch, result.amp.micro_batches = i + 1, len(batches)
                     return result
                 losses.append(result.amp.loss)
                 set_rng_state(after[0])  # (the next micro-batch draws on from there, as in the step)
@@ -1092,16 +1323,16 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
             unscaled = trace_first_non_finite(model, loss_fn, inputs, targets, precision, lowest,
                                               accumulation_steps=n).where != "none"
         scope, tried, at = None, [], None
-        module = _module_of(amp)
+        module = _modules_of(amp)
         if module is not None and precision.name != "fp32":
             # a scope's own leftover gradient overflow is the scaler's (it halves down to `lowest`),
             # unless the finding is one halving answers already (then no scope is needed at all)
             lower = lowest if amp.where != "backward" or unscaled else None
             start()
             scope, tried, at = find_fp32_scope(model, loss_fn, inputs, targets, precision, loss_scale, module, n,
-                                               start=start, lowest=lower)
-    return Diagnosis(amp, fp32, "precision-range", loss_scale, scope, tried, fp8_scales=scales,
-                     overflows_unscaled=unscaled, scale_floor=scale_floor, scope_scale=at)
+                                               start=start, lowest=lower, known=fp32_seen)
+    return Diagnosis(amp, fp32, "precision-range", loss_scale, scope[0] if scope else None, scope[1:] if scope else [],
+                     tried, fp8_scales=scales, overflows_unscaled=unscaled, scale_floor=scale_floor, scope_scale=at)
 
 
 # ---------------------------------------------------------------------------- the verb
@@ -1205,12 +1436,16 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
 
     from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
     from .checkpoint import load_weights
-    from .faults import FaultInjector, parse_fault
+    from .faults import FaultInjector, check_steps, parse_fault
     from .tasks import build_task
 
     # a saved batch is replayed as it is: it holds the faults of its step already (a rollback's
     # evidence), and an every:K or rate fault of the run's config would fire on it at "step 0"
     faults = [] if batch else [parse_fault(spec, seed=config.seed) for spec in config.inject]
+    try:  # (as train refuses it: a fault that fires at none of the run's steps is none of the step replayed, review 49a)
+        check_steps(faults, config.steps)
+    except ValueError as err:
+        raise InputError(f"inject: {err}") from None
     device = resolve_device(config.device)
     precision = precision_of(config, device)
     _check_arguments(config, precision, step=step, batch=batch, scale=scale)

@@ -1241,7 +1241,8 @@ class RunMonitor:
                 head = f"loss scale {scale:g} fell to its floor scaler.min_scale {self.min_scale:g}:"
             else:
                 why = ("the step still overflowed: fp16 cannot hold these gradients" if overflowed else
-                       "steps still skip (a non-finite loss here: the data's or the model's, not fp16's range)")
+                       "steps still skip (a non-finite loss here, which no loss scale acts on: the forward's, "
+                       "from the data, the model or an activation past fp16's range; ampguard locate tells which)")
                 head = f"loss scale {scale:g} is at its floor scaler.min_scale {self.min_scale:g} and"
             events.append(Event(step, "scale_alert", f"{head} {why}", {"scale": scale}))
         elif not at_floor and self.scale_alerting:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1887,6 +1888,12 @@ class AmpTrainState(Guard):
             raise ValueError("AmpTrainState calls model(inputs): pass one module, or use Guard for several")
         super().__init__(model, optimizer, **settings)
         self.loss_fn = loss_fn
+
+    # (help() and an IDE show Guard's keywords, which **settings passes on: review 49b)
+    __init__.__signature__ = (lambda sig: sig.replace(parameters=[  # type: ignore[attr-defined]
+        *list(sig.parameters.values())[:3],
+        inspect.Parameter("loss_fn", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Callable[[Any, Any], Tensor]"),
+        *list(sig.parameters.values())[3:]]))(inspect.signature(Guard.__init__))
 
     def step(self, inputs: Any = _NO_BATCH, targets: Any = _NO_BATCH, *,  # type: ignore[override]
              close: bool = False) -> StepLog | SkipLog | PendingStep | None:

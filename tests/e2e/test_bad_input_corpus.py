@@ -207,6 +207,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("locate batch not a batch", ["locate", *LINEAR, "--batch", "not_a_batch.pt"]),
     ("locate batch of the wrong shape", ["locate", *LINEAR, "--batch", "wrong_shape.pt"]),
     ("locate nan_input on integer tokens", ["locate", "--inject", "nan_input@1"]),
+    ("locate fault beyond the steps", ["locate", *LINEAR, "--set", "steps=4", "--inject", "nan_input@9"]),  # (49a)
     ("locate checkpoint missing", ["locate", *LINEAR, "--checkpoint", "missing.pt"]),
     # ---- report
     ("report nothing there", ["report", "nowhere"]),

@@ -110,7 +110,7 @@ def test_find_fp32_scope_takes_a_start_callback_and_one_diagnosis_copies_the_buf
     calls = []
     scope, tried, _ = find_fp32_scope(model, nn.functional.mse_loss, x, y, Precision("fp16", "cpu"), 1.0, "0.0",
                                       start=lambda: calls.append(1))
-    assert scope == "0.0" and len(calls) == 2  # (before the replay, and at the end)
+    assert scope == ["0.0"] and len(calls) == 2  # (before the replay, and at the end)
     made = []
     real = BufferSnapshot.__init__
 

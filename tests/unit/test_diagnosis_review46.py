@@ -64,7 +64,10 @@ def test_a_scaler_that_cannot_back_off_below_the_steps_scale_keeps_the_old_verdi
     x, y = _batch()
     d = diagnose(Net(), nn.functional.mse_loss, x, y, FP16, 65536.0, scale_floor=65536.0)
     assert (d.fp32_scope, d.scope_scale) == ("", 65536.0)
-    assert "only the whole model in FP32 (autocast off, the same loss scale) fixes this batch" in d.message()
+    # (block.lin, then head beside it: the rest of the model's weights, every Linear: the model itself, review 49a)
+    assert d.scopes_tried == ["block.lin", "block.lin + head", ""]
+    assert ("no smaller scope in FP32 does (tried block.lin, block.lin + head); the whole model in FP32 (autocast off, "
+            "the same loss scale) fixes this batch") in d.message()
 
 
 def test_a_floor_between_keeps_its_own_scale_and_the_search_goes_up_where_the_floor_overflows_too():
@@ -74,7 +77,7 @@ def test_a_floor_between_keeps_its_own_scale_and_the_search_goes_up_where_the_fl
     assert (d.fp32_scope, d.scope_scale) == ("block.lin", 4.0) and "finite at 4;" in d.message()
     # the same scope search with no lower scale: every scope below the model leaves the gradient overflow
     scope, tried, at = find_fp32_scope(Net(), nn.functional.mse_loss, x, y, FP16, 65536.0, "block.lin")
-    assert (scope, tried, at) == ("", ["block.lin", "block", ""], 65536.0)
+    assert (scope, tried, at) == ([""], ["block.lin", "block.lin + head", ""], 65536.0)
 
 
 def test_a_backward_overflow_halving_answers_is_not_given_a_scope_at_a_lower_scale():

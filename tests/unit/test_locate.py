@@ -419,7 +419,8 @@ def test_the_smallest_module_that_fixes_the_batch_in_fp32_is_named():
 
     assert result.verdict == "precision-range"
     assert result.amp.where == "forward" and result.amp.name == "blocks.1.mlp.fc"
-    # fc alone is tried first and is not enough; its parent, the mlp, is
+    # fc alone is tried first and is not enough; with proj beside it, it is: they are every Linear of the mlp,
+    # which is named (review 49a: a set of modules is tried before the parents)
     assert result.scopes_tried == ["blocks.1.mlp.fc", "blocks.1.mlp"]
     assert result.fp32_scope == "blocks.1.mlp"
     assert "keeping blocks.1.mlp in FP32 (autocast off around it alone) fixes this batch" in result.message()
@@ -457,9 +458,10 @@ def test_when_no_module_alone_fixes_it_the_message_says_so():
     x, zeros = torch.full((3, 4), 30.0), torch.zeros(3, 2)
     result = diagnose(model, mse_to_zero, x, zeros, FP16)
     assert result.verdict == "precision-range" and result.amp.name == "body.big"
-    assert result.scopes_tried == ["body.big", "body", ""]
+    assert result.scopes_tried == ["body.big", ""]  # (body.big + head fixed it: every Linear, the model)
     assert result.fp32_scope == ""
-    assert result.message().endswith("; only the whole model in FP32 (autocast off, the same loss scale) fixes this batch")
+    assert result.message().endswith("; no smaller scope in FP32 does (tried body.big); the whole model in FP32 "
+                                     "(autocast off, the same loss scale) fixes this batch")
 
     # a loss whose matmul autocast runs in fp16: 120000 overflows there whatever runs in FP32 before
     def gram_loss(outputs, targets):
@@ -469,7 +471,7 @@ def test_when_no_module_alone_fixes_it_the_message_says_so():
     assert result.verdict == "precision-range" and result.amp.name == "body.big"
     assert result.scopes_tried == ["body.big", "body", ""]
     assert result.fp32_scope is None
-    assert result.message().endswith("; no module alone in FP32 fixes this batch (tried body.big, body, <model>); "
+    assert result.message().endswith("; no module in FP32 fixes this batch (tried body.big, body, <model>); "
                                      "run the whole step in FP32")
 
     # a data problem is never sent looking for a module to keep in FP32

@@ -579,8 +579,12 @@ def test_a_nan_loss_at_the_floor_is_alerted_as_what_it_is_not_as_an_overflow():
         rec = skip_record(i, reason, scale=1.0) if reason else step_record(i, scale=1.0)
         events += [(e.step, e.kind, e.message) for e in m.observe(rec)]
     assert [(step, kind) for step, kind, _ in events] == [(2, "scale_alert")]  # (once per episode)
-    assert events[0][2].endswith("steps still skip (a non-finite loss here: the data's or the model's, not fp16's "
-                                 "range)")
+    # (review 49a: not "not fp16's range": a forward activation past fp16's max makes such a loss, which the loss
+    # scale does not act on and the first-skip diagnosis calls a precision-range problem on the next line)
+    assert events[0][2].endswith("steps still skip (a non-finite loss here, which no loss scale acts on: the "
+                                 "forward's, from the data, the model or an activation past fp16's range; ampguard "
+                                 "locate tells which)")
+    assert "not fp16's range" not in events[0][2]
 
 
 def test_monitor_scale_collapse_without_fail_on_scale_collapse_only_alerts():

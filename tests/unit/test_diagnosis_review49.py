@@ -1,0 +1,181 @@
+"""Review 49a: what `locate` names and advises. In backward it named the first parameter whose
+gradient went non-finite, the module before the one whose backward overflowed; its FP32 scope
+search climbed only to parents, so a value one module's FP32 output left to the next read "only
+the whole model in FP32 fixes this batch"; a value the caller's code made and passed as a second
+argument was blamed on the module it was passed to; an accumulated step's finding did not say
+which micro-batch held it. Review 49b: AmpTrainState's signature hid Guard's keywords."""
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ampguard import AmpTrainState
+from ampguard.locate import diagnose, diagnose_group, fp32_around, trace_first_non_finite
+from ampguard.precision import Precision, keep_in_fp32
+
+FP16 = Precision("fp16", "cpu")
+
+
+def _filled(layer: nn.Linear, weight: float) -> nn.Linear:
+    with torch.no_grad():
+        layer.weight.fill_(weight)
+        if layer.bias is not None:
+            layer.bias.zero_()
+    return layer
+
+
+def _finite_with(model: nn.Module, kept: list[str], x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The batch's loss and every gradient finite under fp16 autocast with ``kept`` in FP32."""
+    model.zero_grad(set_to_none=True)
+    with fp32_around(model, kept):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x), y)
+        loss.float().backward()
+    finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+                                                if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    return finite
+
+
+def backward_born() -> nn.Sequential:
+    """1's forward is fine (1e-4 in, 3 out), its input gradient (3e4 x the output's) is past fp16's max;
+    its own weight's gradient (the small input x the output's) is not."""
+    return nn.Sequential(_filled(nn.Linear(4, 4), 1e-4), _filled(nn.Linear(4, 4), 3e4), _filled(nn.Linear(4, 1), 1.0))
+
+
+def test_a_backward_overflow_is_named_where_the_backward_made_it_not_at_the_next_parameter():
+    model, x, y = backward_born(), torch.ones(8, 4), torch.zeros(8, 1)
+    found = trace_first_non_finite(model, F.mse_loss, x, y, FP16)
+    assert (found.where, found.grad, found.name, found.op, found.before) == ("backward", "input", "1", "Linear", "0")
+    assert found.place_text().startswith("in backward, the input gradient of 1 (Linear), made by its backward from a "
+                                         "finite gradient of its output")
+    assert model[1].weight.grad is None  # (the pass put .grad back)
+    d = diagnose(model, F.mse_loss, x, y, FP16)
+    assert d.verdict == "precision-range" and d.amp.name == "1"
+    # 1 alone in FP32 still hands 0 its gradient in fp16 (0's output is fp16): 0 is kept beside it
+    assert (d.fp32_scope, d.fp32_also, d.scopes_tried) == ("1", ["0"], ["1", "1 + 0"])
+    assert "keeping 1 and 0 in FP32 together (autocast off around each; fp32_modules=[1,0]) fixes this batch" \
+        in d.message()
+    assert d.as_dict()["fp32_also"] == ["0"]
+    # the advice is an experiment: so kept (as fp32_modules keeps them in a run) the batch is finite; 1 alone is not
+    assert _finite_with(model, ["1", "0"], x, y) and not _finite_with(model, ["1"], x, y)
+    keep_in_fp32(model, ["1", "0"])
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(model(x), y)
+    loss.float().backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+
+class Chain(nn.Module):
+    """a's output 1e5 is past fp16's max; b (x 1e-3) brings it back, but autocast casts b's input to fp16
+    first: a and b in FP32 together fix it, c and d stay in fp16 (the model is not all they are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _filled(nn.Linear(2, 2), 1e3), _filled(nn.Linear(2, 2), 1e-3)
+        self.c, self.d = _filled(nn.Linear(2, 2), 1.0), _filled(nn.Linear(2, 1), 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.relu(self.c(self.b(self.a(x)))))
+
+
+def test_two_modules_in_fp32_together_are_advised_where_neither_alone_nor_a_parent_short_of_the_model_fixes_it():
+    model, x, y = Chain(), torch.full((1, 2), 50.0), torch.zeros(1, 1)
+    d = diagnose(model, F.mse_loss, x, y, FP16)
+    assert d.verdict == "precision-range" and (d.amp.where, d.amp.name) == ("forward", "a")
+    assert (d.fp32_scope, d.fp32_also) == ("a", ["b"])  # (it read "only the whole model" before)
+    assert d.scopes_tried == ["a", "a + b"]
+    assert "keeping a and b in FP32 together" in d.message() and "whole model" not in d.message()
+    assert _finite_with(model, ["a", "b"], x, y) and not _finite_with(model, ["a"], x, y)
+    assert all("forward" not in vars(m) for m in model.modules())  # (the replays' wrappers are gone)
+
+
+def test_a_set_that_holds_every_weighted_module_of_its_parent_is_said_as_that_parent():
+    body = nn.Sequential(OrderedDict(a=_filled(nn.Linear(2, 2), 1e3), b=_filled(nn.Linear(2, 2), 1e-3)))
+    model = nn.Sequential(OrderedDict(body=body, head=_filled(nn.Linear(2, 1), 0.1)))
+    d = diagnose(model, F.mse_loss, torch.full((1, 2), 50.0), torch.zeros(1, 1), FP16)
+    assert (d.fp32_scope, d.fp32_also) == ("body", [])
+    assert d.scopes_tried == ["body.a", "body"]
+    assert "keeping body in FP32 (autocast off around it alone) fixes this batch" in d.message()
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = _filled(nn.Linear(4, 4), 0.1)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.proj(a) + b
+
+
+class Memory(nn.Module):
+    """The model's own torch.exp (exp(20) = 4.9e8, inf in fp16) passed to mix as its second argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mix, self.head = _filled(nn.Linear(4, 4), 5.0), Mix(), _filled(nn.Linear(4, 1), 1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(x, torch.exp(self.enc(x))))
+
+
+def test_a_value_the_callers_code_made_and_passed_as_a_later_argument_is_the_callers():
+    found = trace_first_non_finite(Memory(), F.mse_loss, torch.ones(8, 4), torch.zeros(8, 1), FP16)
+    assert (found.where, found.name, found.op, found.before) == ("forward", "", "Memory", "mix")
+    assert found.place_text().startswith("in the forward code of <model> itself (Memory;")
+
+
+class Masked(nn.Module):
+    """scores x 1e5 (past fp16's max), then a -inf mask added: the mask in the second argument is no finding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _filled(nn.Linear(2, 2), 1e5)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + mask
+
+
+class WithMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = Masked()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.tensor([0.0, -torch.inf])
+        return self.att(x, mask)[:, :1]
+
+
+def test_a_minus_inf_mask_in_a_later_argument_still_leaves_the_module_its_own_overflow():
+    found = trace_first_non_finite(WithMask(), F.mse_loss, torch.ones(1, 2), torch.zeros(1, 1), FP16)
+    assert (found.where, found.name) == ("forward", "att.lin")
+
+
+def test_an_accumulated_steps_finding_names_its_micro_batch_whose_loss_it_quotes():
+    model = nn.Sequential(_filled(nn.Linear(2, 2), 1.0), nn.ReLU(), _filled(nn.Linear(2, 1), 1.0))
+    clean, big = (torch.ones(4, 2), torch.zeros(4, 1)), (torch.full((4, 2), 1e4), torch.zeros(4, 1))
+    d = diagnose_group(model, F.mse_loss, [clean, big], FP16)
+    assert (d.amp.micro_batch, d.amp.micro_batches) == (2, 2)
+    assert d.message().startswith("first inf under fp16 in micro-batch 2 of 2: ")
+    assert diagnose_group(model, F.mse_loss, [big], FP16).amp.micro_batch == 0  # (one micro-batch: nothing to say)
+
+
+def test_the_losss_own_backward_is_named_and_the_module_whose_output_it_is_kept():
+    lin = _filled(nn.Linear(4, 1, bias=False), 1.0)
+    x, y = torch.ones(2, 4), torch.full((2, 1), 1e8)  # dL/dout ~ -1e8: inf in fp16, the output's dtype
+    found = trace_first_non_finite(lin, F.mse_loss, x, y, FP16)
+    assert (found.where, found.grad, found.op) == ("backward", "loss", "mse_loss")
+    assert found.place_text().startswith("in backward, the gradient of the model's output, made by the loss's "
+                                         "backward (mse_loss)")
+    assert diagnose(lin, F.mse_loss, x, y, FP16).fp32_scope == ""  # (lin is the model: its output float32)
+
+
+def test_amp_train_states_signature_shows_guards_keywords():
+    params = inspect.signature(AmpTrainState).parameters
+    assert list(params)[:3] == ["model", "optimizer", "loss_fn"]
+    assert params["precision"].default == "fp16" and params["max_norm"].default == 1.0
+    assert params["accumulation_steps"].default == 1 and params["precision"].kind is inspect.Parameter.KEYWORD_ONLY
