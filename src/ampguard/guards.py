@@ -586,8 +586,8 @@ class FirstSkipDiagnosis:
         ...     diagnosis.capture(batch)
         ...     record = state.step(*batch)
         >>> print(diagnosis.after(record))
-        step 1 (non_finite_loss): first nan under bf16: in the input batch. FP32 replay is not finite either: a data
-        or model problem, not a precision one
+        step 1 (non_finite_loss): first nan under bf16 in micro-batch 2 of 2: in the input batch. FP32 replay is not
+        finite either: a data or model problem, not a precision one
     """
 
     def __init__(self, state: AmpTrainState, model: Any, events: EventLog | None = None,

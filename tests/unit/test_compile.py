@@ -118,5 +118,7 @@ def test_the_first_skip_diagnosis_replays_a_compiled_model_eagerly_not_compiling
     diagnosis.capture(batch)
     record = state.step(*batch)
     assert record.skipped and compiled == compiled[:1]  # (the step's one compile)
-    assert diagnosis.after(record).startswith("step 1 (non_finite_grad): first nan under fp16: in backward")
+    # (the first non-finite gradient: the model output's, made by the loss's backward, review 49a)
+    assert diagnosis.after(record).startswith("step 1 (non_finite_grad): first inf under fp16: in backward, the "
+                                              "gradient of the model's output")
     assert len(compiled) == 1  # the replay compiled nothing
