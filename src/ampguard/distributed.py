@@ -72,6 +72,7 @@ def current() -> DistInfo:
 
 
 _groups_joined = 0  # process groups init_from_env began in this process (a start-up stop's word is per group)
+_alone = [False]  # this rank ends alone (end_alone): the group's collectives are not waited in any more
 _LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads beside WORLD_SIZE
 
 
@@ -132,6 +133,7 @@ def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
     if not dist.is_initialized():
         global _groups_joined
         _groups_joined += 1
+        _alone[0] = False
         if use_cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
@@ -623,8 +625,9 @@ def every_rank_raised(tag: str, message: str, timeout_s: float) -> str | None:
 
 
 def barrier() -> None:
-    """Wait for every rank (nothing to wait for without a process group)."""
-    if current().active:
+    """Wait for every rank (nothing to wait for without a process group, nor once this rank ends
+    alone: :func:`end_alone`)."""
+    if current().active and not _alone[0]:
         dist.barrier()
 
 
@@ -691,7 +694,8 @@ def _stop_key() -> str:
 
 
 def tell_stopped(code: int) -> None:
-    """This rank's start-up ends for a stop signal with exit ``code`` (130, 143): word of it in the
+    """This rank's start-up (or a run's step, cut short by a second signal: :func:`end_alone`) ends
+    for a stop signal with exit ``code`` (130, 143): word of it in the
     process group's key-value store (torchrun's rendezvous store), before this process leaves the
     group, for a peer whose collective then fails (:func:`peer_stopped`). Nothing without a
     process group of several; a store that cannot be reached is let be (the peer then waits for
@@ -708,7 +712,8 @@ def tell_stopped(code: int) -> None:
 
 
 def peer_stopped() -> int | None:
-    """The exit code a peer's start-up stop left word of (:func:`tell_stopped`), read without
+    """The exit code a peer's stop (its start-up's, or a step a second signal cut short) left word
+    of (:func:`tell_stopped`), read without
     waiting; None when none did (it was killed, it crashed) or without a process group."""
     if not current().active:
         return None
@@ -759,6 +764,27 @@ def ending() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         except ValueError:  # pragma: no cover - not the main thread: signals are not ours to set
             pass
+
+
+def end_alone(code: int) -> None:
+    """This rank's run ends alone, with exit ``code`` (130, 143): a second stop signal cut a step
+    short, on this rank or (its word read: :func:`peer_stopped`) a peer's, while the others may
+    wait in a collective it never joins (the step's all-reduce, the boundary's agreement). Closing
+    with a collective, or waiting in the leaving :func:`barrier`, hung the job until gloo's 30
+    minutes (review 49c H1). So its code is decided (:func:`ending`), word of it is left in the
+    store (:func:`tell_stopped`: a peer whose collective then fails ends with the same code, not
+    as a crash), and :func:`barrier` waits no more. Nothing without a process group.
+
+    Example (no process group)::
+
+        >>> end_alone(130), _alone[0]
+        (None, False)
+    """
+    if not current().active:
+        return
+    ending()
+    tell_stopped(code)
+    _alone[0] = True
 
 
 def shutdown() -> None:

@@ -11,6 +11,7 @@ half-made module behind).
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import contextlib
 import errno
@@ -588,7 +589,8 @@ def settled(code: int) -> None:
     interpreter exit, threads joined, a library's exit hooks): a Ctrl-C in that time ends it at
     once with ``code``, as a SIGTERM then is ignored (:func:`terminated_as_interrupted`'s
     ``settle``). Python's own would kill it by SIGINT (status -2, whatever the run did: a run
-    that finished and wrote everything read as killed; review 48c). Off the main thread, and for
+    that finished and wrote everything read as killed; review 48c). In the interpreter's C-level
+    teardown, where no Python handler runs, a Ctrl-C is ignored (``atexit``). Off the main thread, and for
     a SIGINT the process was started with ignored, nothing is set.
 
     Example (not run: it would end this process at a Ctrl-C)::
@@ -608,7 +610,18 @@ def settled(code: int) -> None:
                 stream.flush()
         os._exit(code)
 
+    def ignored_to_the_end() -> None:
+        """At exit (the last Python the process runs, before the interpreter's C-level teardown):
+        SIGINT ignored from here. The teardown runs no Python handler: ``leave`` never ran, and
+        the interpreter puts SIGINT's default back, but leaves an ignored one ignored; a
+        torchrun rank spends a second or more there (garbage-collecting a run's objects), and a
+        Ctrl-C then killed it by SIGINT, torchrun reporting -2 for its decided 130 (review 49c M1)."""
+        if signal.getsignal(signal.SIGINT) is leave:  # (not a handler set since: it stays)
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     signal.signal(signal.SIGINT, leave)
+    atexit.register(ignored_to_the_end)
 
 
 def leave_now(signum: int, take_back: Callable[[], None] | None = None, *, held: bool = False,

@@ -362,6 +362,10 @@ class Trainer:
             except Exception as err:  # a crash mid-run (the task's model or loss, or a bug): card, then traceback
                 # (a Ctrl-C Python wrapped on its way out of the user's code is an interrupt, as above)
                 crashed, clean = (None if an_interrupt(err) else err), False
+                if crashed is not None and distributed.peer_gone(crashed) and \
+                        (code := distributed.peer_stopped()) is not None:  # a peer's second signal cut its
+                    # step short and it left (end_alone, below): its stop, this rank's too, not a crash
+                    crashed, stop.agreed = None, signal.Signals(code - 128)
             finally:
                 with self._handoff:  # from here a signal waits: the checkpoint and the run card come first
                     stop.closing, taken = True, self._taken_over
@@ -386,6 +390,10 @@ class Trainer:
                 raise crashed
             if not clean:  # after settle(): "after step N" names the last step the CSV holds
                 stopped = self._interrupted(stop)
+                if self.dist.active:  # (under torchrun a step cut short ends this rank alone: a peer may
+                    # wait in the step's collective, which no rank will join; word of it for the peers)
+                    distributed.end_alone(int(stopped.exit_code))
+                    return self._close(stopped, alone=True)
             full = stopped is not None and stopped.kind == DISK_FULL  # agreed: every rank skips the save
             if clean and not full and self.state.steps > first_step:  # (a resumed complete run only rewrites its card)
                 self.save()
