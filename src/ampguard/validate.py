@@ -1752,6 +1752,23 @@ same weights under other rules, or on another probe set, says what an earlier on
 declare the rules before reading the results; do not widen a tolerance to make a case vanish)."""
 
 
+def histories(report: Path, log_dir: str | Path) -> list[Path]:
+    """The histories a report reads its earlier verdicts from and is noted in: the one beside it
+    and, when ``--out`` put it elsewhere, ``log.dir``'s too, so that a report written under
+    another folder still sees (and is seen by) the reports in ``log.dir`` (review 49a: a
+    rejection in ``runs/`` went unsaid by a widened rerun with ``--out report2``).
+
+    Example::
+
+        >>> [str(p) for p in histories(Path("runs/validate-1"), "runs")]
+        ['runs/validate-history.jsonl']
+        >>> [str(p) for p in histories(Path("elsewhere/v2"), "runs")]
+        ['elsewhere/validate-history.jsonl', 'runs/validate-history.jsonl']
+    """
+    beside, shared = report.parent / HISTORY, Path(log_dir) / HISTORY
+    return [beside] if beside.absolute() == shared.absolute() else [beside, shared]
+
+
 def verdict_key(config: Config, v: Validation) -> dict[str, Any]:
     """What a verdict is about and under which rules: the task (its factory, or its name: two
     models whose weights happen to hash the same are not one) and its ``task.options`` (a change
@@ -1988,7 +2005,12 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         folder.release(written=False)
         raise
     folder.release(written=True)
-    unnoted = note_verdict(folder.path.parent / HISTORY, key, result, folder.path)
+    beside, *shared = histories(folder.path, config.log.dir)
+    unnoted = note_verdict(beside, key, result, folder.path)
+    for history in shared:  # (log.dir's, made if missing; one that cannot be is let be: the report's own holds it)
+        with contextlib.suppress(OSError):
+            history.parent.mkdir(parents=True, exist_ok=True)
+            note_verdict(history, key, result, folder.path)
     print(f"evaluation set: {result.evaluation_set['description']}")
     for r in result.reference:
         print(f"reference: {r.criterion}: {r.reference} -> {r.decision}")
@@ -2054,7 +2076,8 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
     if checkpoint:
         result.environment["checkpoint"] = provenance
     key = verdict_key(config, result)
-    result.earlier = earlier_rejections(folder.path.parent / HISTORY, key)
+    earlier = [e for history in histories(folder.path, config.log.dir) for e in earlier_rejections(history, key)]
+    result.earlier = list({e["report"]: e for e in earlier}.values())  # (a report noted in both: once)
     return result, key, write_report_folder(result, config, folder)
 
 

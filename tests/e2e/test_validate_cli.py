@@ -723,6 +723,28 @@ def test_a_rule_loosened_after_a_rejection_is_said_beside_the_verdict_and_in_the
     assert [json.loads(line)["accepted"] for line in lines if line.startswith(b'{"time": "2')] == [False, False, True]
 
 
+def test_a_widened_rerun_written_under_another_folder_still_names_the_rejection_in_log_dir(tmp_path, capsys):
+    # review 49a: the record was per --out parent: a rejection in runs/ went unsaid by a rerun with
+    # wider rules written under another folder; log.dir's history is read and noted too
+    (tmp_path / "tie.py").write_text(TIE_FACTORY, encoding="utf-8")
+    base = ["validate", "--set", f"task.factory={tmp_path / 'tie.py'}:build", "--set", "device=cpu",
+            "--set", "validation.precisions=[bf16]", "--set", "validation.min_accuracy=0.5",
+            "--set", "validation.typical=4", "--set", f"log.dir={tmp_path / 'runs'}"]
+    assert main(base) == 1  # (REJECTED, into log.dir's validate-<time>)
+    capsys.readouterr()
+    assert main([*base, "--set", "validation.ties=accept", "--out", str(tmp_path / "elsewhere" / "v")]) == 0
+    out = capsys.readouterr().out
+    assert "validate: note: Earlier verdicts on these weights under other rules or probes: REJECTED at " in out, out
+    _, data = load_report(tmp_path / "elsewhere" / "v")
+    assert [e["changed"] for e in data["earlier_rejections"]] == [["validation.ties: count_as_flip -> accept"]]
+    # noted in both: the next report in runs/ sees the accepted one's line there too, and names the rejection once
+    lines = (tmp_path / "runs" / "validate-history.jsonl").read_bytes().splitlines()
+    assert [json.loads(line)["accepted"] for line in lines] == [False, True]
+    assert len((tmp_path / "elsewhere" / "validate-history.jsonl").read_bytes().splitlines()) == 1
+    assert main([*base, "--set", "validation.ties=accept", "--out", str(tmp_path / "runs" / "again")]) == 0
+    assert capsys.readouterr().out.count("REJECTED at ") == 1
+
+
 def test_a_model_with_a_zero_dim_buffer_is_validated_and_its_weights_keyed(tmp_path, capsys):
     # re-read of the session: the history's key hashed each state_dict entry's bytes through a view
     # that a 0-dim buffer (a BatchNorm's num_batches_tracked) cannot take: validate ended in a traceback
