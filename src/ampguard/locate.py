@@ -27,6 +27,7 @@ import inspect
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext, redirect_stdout
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .errors import InputError, brief, counted, user_code
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, fp32_forward, round_float32
@@ -276,12 +277,17 @@ class Finding:
         finite = f", from a finite loss {self.loss:.4g}" if self.loss is not None else ""
         if self.grad == "input":
             readers = ", ".join([name, *self.also])
-            summed = " (their input gradients summed)" if self.also else ""
-            return (f"in backward, the input gradient of {readers} ({self.op}){summed}, made by its backward from a "
+            summed, its = (" (their input gradients summed)", "their") if self.also else ("", "its")
+            return (f"in backward, the input gradient of {readers} ({self.op}){summed}, made by {its} backward from a "
                     f"finite gradient of its output{finite}")
         if self.grad == "code":
-            return (f"in backward, the gradient of the output of {self.before}, made by the backward of the forward "
-                    f"code of {name} itself ({self.op}) that reads it{finite}")
+            value = f"the output of {self.before}" if self.before else f"a value the forward code of {name} makes"
+            if self.also:  # (each reader's own input gradient finite: their sum, a residual's, or the code's)
+                return (f"in backward, the gradient of {value}, summed from what reads it ({', '.join(self.also)}, "
+                        f"each one's own input gradient finite, and any code of {name} ({self.op}) that reads it "
+                        f"too){finite}")
+            return (f"in backward, the gradient of {value}, made by the backward of the forward code of {name} itself "
+                    f"({self.op}) that reads it{finite}")
         if self.grad == "loss":
             return f"in backward, the gradient of the model's output, made by the loss's backward ({self.op}){finite}"
         if not self.name:  # (every gradient finite, their norm not: the step's detector overflowed)
@@ -563,7 +569,7 @@ def trace_first_non_finite(
     grad_found: list[Finding] = []
     flows = _Flows(names, grad_found, label)
 
-    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         counts[id(module)] = n = counts.get(id(module), 0) + 1
         key = f"{names.get(id(module), '?')}#{n}"
         given = _tensors(args) + _tensors(kwargs)
@@ -577,8 +583,8 @@ def trace_first_non_finite(
                 if at is not None and bool(((at == NAN) | (at == POS_INF)).any()):
                     born, first, where = ("nan" if bool((at == NAN).any()) else "inf"), later, at
                     break
-        flows.read(module, given, calls[-1][0] if calls else None)
         calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first), where))
+        return flows.read(module, args, kwargs, calls[-2][0] if len(calls) > 1 else None)
 
     def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         # (called after a forward that raised too, output None: a caller that caught it goes on; and
@@ -665,13 +671,21 @@ def trace_first_non_finite(
 class _Flows:
     """The backward's places between modules, for :func:`trace_first_non_finite`: each tensor a
     module call takes or returns that needs a gradient (by identity and in-place version: a
-    ``ReLU(inplace=True)``'s output is another place than its input), the modules that read it
-    and the module whose code made it. A hook on each says, at the first gradient there that is
-    not finite (the gradients after it, closer to the loss, were all finite: the backward runs
-    from the loss), whose backward made it: the one module that reads it (its backward turned a
-    finite gradient of its output into a non-finite one of its input), else the code of the
-    module that reads it, else (the model's output) the loss's (review 49a: a parameter's
-    gradient alone named the module before the one whose backward overflowed).
+    ``ReLU(inplace=True)``'s output is another place than its input; held by weak reference, so
+    autograd frees activations as it would), the module whose forward made it and the one whose
+    code it was made in. Each module call is handed its own alias of each input it reads (a view,
+    the values unchanged, as ``register_full_backward_hook`` does), so its input gradient is a place
+    of its own, apart from what other modules or code that read the same tensor add to it.
+
+    A hook on each place says, at the first gradient there that is not finite (those after it,
+    nearer the loss, were all finite: the backward runs from the loss), where it was made: at a
+    module's alias, by that module's backward ("input": from a finite gradient of its output); at
+    a tensor whose readers' input gradients were all finite, by their sum or the code that reads
+    it too ("code": a residual's ``h + fc(h)`` sums in h's fp16, review 49d); at the model's
+    output, by the loss's backward ("loss"). ``before`` names the module with weights whose
+    output the value is (through parameter-free ones, an activation, which FP32 would not change):
+    kept in FP32, the gradient it takes is float32 (review 49a: a parameter's gradient alone
+    named the module before the one whose backward overflowed).
 
     Example (``b``'s input gradient, 3e4 x 1e4, overflows fp16; its own weight's gradient does not)::
 
@@ -694,58 +708,94 @@ class _Flows:
     def _key(t: torch.Tensor) -> tuple[int, int]:
         return id(t), t._version
 
-    def _place(self, t: torch.Tensor, caller: nn.Module | None) -> dict[str, Any] | None:
-        if not (t.requires_grad and t.is_floating_point()):
-            return None
-        key = self._key(t)
-        if key not in self.places:
-            place = self.places[key] = {"tensor": t, "readers": [], "maker": None, "caller": caller}  # (held: ids stay unique)
-            self.handles.append(t.register_hook(lambda grad, place=place: self._seen(grad, place)))
-        return self.places[key]
+    @staticmethod
+    def _tracked(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
 
-    def read(self, module: nn.Module, given: list[torch.Tensor], caller: nn.Module | None) -> None:
-        """``module`` is called with ``given`` by ``caller``'s code (None: the model is called)."""
-        for t in given:
-            place = self._place(t, caller)
-            if place is not None and module not in place["readers"]:
+    def _place(self, t: torch.Tensor, caller: nn.Module | None, **fields: Any) -> dict[str, Any]:
+        """``t``'s place, made (and hooked) when it has none: one whose tensor died since (its id
+        taken by another) is another's."""
+        place = self.places.get(self._key(t))
+        if place is None or place["ref"]() is not t:
+            place = self.places[self._key(t)] = {"ref": weakref.ref(t), "readers": [], "maker": None,
+                                                 "source": None, "caller": caller, **fields}
+            self.handles.append(t.register_hook(lambda grad, place=place: self._seen(grad, place)))
+        return place
+
+    def read(self, module: nn.Module, args: Any, kwargs: Any, caller: nn.Module | None) -> tuple[Any, Any] | None:
+        """``module`` is called with ``args``/``kwargs`` by ``caller``'s code (None: the model is
+        called): the arguments with its own alias of each tracked tensor (None when it reads none).
+        A tensor inside a container torch's pytree does not know stays itself, read by the module."""
+        def alias(t: Any) -> Any:
+            if not self._tracked(t) or t.grad_fn is None:  # (a parameter, a leaf: its gradient hooked as one)
+                return t
+            base = self._place(t, caller)
+            base = base.get("base", base)  # (a container's alias passed on to its child: the tensor's own place)
+            view = t.view_as(t)
+            self._place(view, caller, base=base)["readers"].append(module)
+            return view
+
+        new_args, new_kwargs = tree_map(alias, (args, kwargs))
+        for t in _tensors((new_args, new_kwargs)):  # (inside a dataclass or a mapping: the tensor itself)
+            if self._tracked(t) and t.grad_fn is not None and "base" not in (place := self._place(t, caller)) \
+                    and module not in place["readers"]:
                 place["readers"].append(module)
+        return new_args, new_kwargs
 
     def made(self, module: nn.Module, given: list[torch.Tensor], outputs: list[torch.Tensor],
              caller: nn.Module | None) -> None:
         """``module``, called by ``caller``, returned ``outputs``; one it was given as it is
         (``nn.Identity``, a ``Sequential``'s last output) it passed on: it is not its reader."""
         taken = {self._key(t) for t in given}
+        weighted = next(module.parameters(), None) is not None
+        source = module if weighted else next(
+            (p["source"] for t in given if (p := self._base_of(t)) is not None and p["source"] is not None), None)
         for t in outputs:
+            if not self._tracked(t):
+                continue
             if self._key(t) in taken:
                 place = self.places.get(self._key(t))
                 if place is not None and module in place["readers"]:
                     place["readers"].remove(module)
                 continue
             place = self._place(t, caller)
-            if place is not None and place["maker"] is None:  # (the innermost module that made it)
-                place["maker"], place["caller"] = module, caller
-            if place is not None and caller is None:  # (the model's output: the loss reads it)
+            if place["maker"] is None:  # (the innermost module that made it)
+                place["maker"], place["caller"], place["source"] = module, caller, source or module
+            if caller is None:  # (the model's output: the loss reads it)
                 place["output"] = True
+
+    def _base_of(self, t: torch.Tensor) -> dict[str, Any] | None:
+        place = self.places.get(self._key(t))
+        return place.get("base", place) if place is not None else None
+
+    def _name(self, module: nn.Module | None) -> str:
+        return "" if module is None else self.names.get(id(module), "?")
 
     def _seen(self, grad: torch.Tensor, place: dict[str, Any]) -> None:
         if self.found or (kind := _bad(grad)) is None:
             return
         dtype = [str(grad.dtype).removeprefix("torch.")]
-        readers = place["readers"]
+        readers, base = place["readers"], place.get("base", place)
+        source = self._name(base["source"] or base["maker"])
         if readers:
-            names = [self.names.get(id(m), "?") for m in readers]
-            maker = "" if place["maker"] is None else self.names.get(id(place["maker"]), "?")
+            names = [self._name(m) for m in readers]
             self.found.append(Finding("backward", names[0], type(readers[0]).__name__, kind, [], dtype, self.label,
-                                      before=maker, grad="input", also=names[1:]))
-        elif place["maker"] is None:
+                                      before=source, grad="input", also=names[1:]))
+        elif "base" in place:  # (an alias its module passed on as it is: the value flows on to the base)
             return
-        elif place.get("output"):  # (the loss's backward; the module that made the output: kept in FP32, it is float32)
-            self.found.append(Finding("backward", "", "", kind, [], dtype, self.label,
-                                      before=self.names.get(id(place["maker"]), "?"), grad="loss"))
-        elif place["caller"] is not None:
+        elif place.get("output") and place["maker"] is not None:
+            self.found.append(Finding("backward", "", "", kind, [], dtype, self.label, before=source, grad="loss"))
+        else:  # (each module's own input gradient finite: their sum, or the code that reads it too)
             caller = place["caller"]
-            self.found.append(Finding("backward", self.names.get(id(caller), "?"), type(caller).__name__, kind, [],
-                                      dtype, self.label, before=self.names.get(id(place["maker"]), "?"), grad="code"))
+            self.found.append(Finding("backward", self._name(caller), "" if caller is None else type(caller).__name__,
+                                      kind, [], dtype, self.label, before=source, grad="code",
+                                      also=self._readers_of(place)))
+
+    def _readers_of(self, base: dict[str, Any]) -> list[str]:
+        """The innermost modules that read ``base``'s tensor through an alias (not a container
+        that passed its alias on to a child), in the order they read it."""
+        names = [self._name(m) for p in self.places.values() if p.get("base") is base for m in p["readers"]]
+        return [n for n in dict.fromkeys(names) if not any(o != n and _within(o, n) for o in names)]
 
     def close(self) -> None:
         for handle in self.handles:
@@ -977,14 +1027,18 @@ def find_fp32_scope(
                 tried.append(together)
             if at is not None:
                 return kept, tried, at
-            def free(m: str) -> bool:
-                return not any(_within(m, k) or _within(k, m) for k in kept)
-            more = [m for m in _modules_of(found) or [] if free(m)]
-            if not more and found.grad == "input" and found.before and free(found.before):
-                more = [found.before]  # (its reader kept already: the gradient is cast back to that half output)
-            if not more or len(kept) + len(more) > MAX_KEPT:
+
+            def free(m: str) -> bool:  # (not kept, nor inside a kept one; one around kept ones takes their place)
+                return m != "" and not any(_within(m, k) for k in kept)
+            more = list(dict.fromkeys(m for m in _modules_of(found) or [] if free(m)))
+            if not more and found.where == "backward":  # (what it names is kept already: the next one to keep)
+                # an input gradient's reader in FP32 hands it back cast to the half output it came from: that
+                # output's module; a gradient the code of a module makes from a kept one's output: that module
+                after = {"input": found.before, "code": found.name}.get(found.grad)
+                more = [after] if after and free(after) else []
+            kept = [k for k in kept if not any(_within(k, m) for m in more)] + more
+            if not more or len(kept) > MAX_KEPT:
                 break
-            kept = kept + more
         for scope in _scopes(_enclosing(first))[len(first) == 1:]:  # (one module alone: tried above)
             if (at := replay([scope])[1]) is not None:
                 return [scope], tried, at
@@ -1038,8 +1092,8 @@ def _modules_of(finding: Finding) -> list[str] | None:
         return [finding.name]
     if finding.where == "backward" and finding.grad == "input":
         return [finding.name, *finding.also]
-    if finding.where == "backward" and finding.grad == "code":
-        return [finding.name]
+    if finding.where == "backward" and finding.grad == "code":  # (the module whose output it is: then float32)
+        return [finding.before] if finding.before else [finding.name]
     if finding.where == "backward" and finding.grad == "loss":  # (the module whose output it is)
         return [finding.before]
     if finding.where == "backward" and finding.grad == "" and finding.name:

@@ -179,3 +179,131 @@ def test_amp_train_states_signature_shows_guards_keywords():
     assert list(params)[:3] == ["model", "optimizer", "loss_fn"]
     assert params["precision"].default == "fp16" and params["max_norm"].default == 1.0
     assert params["accumulation_steps"].default == 1 and params["precision"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+# ---- review 49d: the new attribution on real shapes
+
+
+def _finite_kept(model: nn.Module, kept: list[str], x: torch.Tensor, loss_fn=None) -> bool:
+    """``kept`` in FP32 as ``fp32_modules`` keeps them in a run (a copy of the model): the fp16 pass finite."""
+    import copy
+
+    copied = copy.deepcopy(model)
+    keep_in_fp32(copied, kept)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (loss_fn or _summed)(copied(x), None)
+    loss.float().backward()
+    return bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p.grad).all()) for p in copied.parameters()
+                                              if p.grad is not None)
+
+
+def _summed(out: torch.Tensor, _targets: object) -> torch.Tensor:
+    return out.float().sum()
+
+
+class Residual(nn.Module):
+    """h = inp(x) in fp16, read by fc and by the residual add: each gradient 40000, finite; their fp16 sum is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.fc = _filled(nn.Linear(4, 4), 1e-3), _filled(nn.Linear(4, 4, bias=False), 0.25)
+        self.out = _filled(nn.Linear(4, 1), 4e4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h + self.fc(h))
+
+
+def test_a_residuals_summed_gradient_is_the_sums_not_the_readers_and_its_maker_is_advised():
+    model, x = Residual(), torch.ones(1, 4)
+    d = diagnose(model, _summed, x, None, FP16)
+    assert (d.amp.where, d.amp.grad, d.amp.before, d.amp.also) == ("backward", "code", "inp", ["fc"])
+    assert d.amp.place_text().startswith("in backward, the gradient of the output of inp, summed from what reads it "
+                                         "(fc, each one's own input gradient finite, and any code of <model> (Residual)")
+    assert (d.fp32_scope, d.fp32_also, d.scopes_tried) == ("inp", [], ["inp"])  # (it advised fc and inp)
+    assert _finite_kept(model, ["inp"], x) and not _finite_kept(model, ["fc"], x)
+
+
+class ThreeReaders(nn.Module):
+    """h = proj(x) read by q, k and v: each input gradient 2.8e4, their sum 8.4e4, past fp16's max."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = _filled(nn.Linear(4, 4), 1e-3), _filled(nn.Linear(4, 1), 1e4)
+        self.q, self.k, self.v = (_filled(nn.Linear(4, 4, bias=False), 0.7) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return self.out(self.q(h) + self.k(h) + self.v(h))
+
+
+def test_a_sum_of_several_readers_gradients_advises_the_module_whose_output_it_is_alone():
+    model, x = ThreeReaders(), torch.ones(1, 4)
+    d = diagnose(model, _summed, x, None, FP16)
+    assert (d.amp.grad, d.amp.before, d.amp.also) == ("code", "proj", ["q", "k", "v"])
+    assert (d.fp32_scope, d.fp32_also) == ("proj", [])  # (it advised q, k, v and proj)
+    assert _finite_kept(model, ["proj"], x) and not _finite_kept(model, ["q", "k", "v"], x)
+
+
+def test_the_module_before_a_parameter_free_activation_is_the_one_named_to_keep_beside():
+    # 2's input gradient overflows; the ReLU between cannot hold it in FP32: 0, whose output it is, can
+    model = nn.Sequential(_filled(nn.Linear(4, 4), 1e-4), nn.ReLU(), _filled(nn.Linear(4, 4), 3e4),
+                          _filled(nn.Linear(4, 1), 1.0))
+    x, y = torch.ones(8, 4), torch.zeros(8, 1)
+    d = diagnose(model, F.mse_loss, x, y, FP16)
+    assert (d.amp.grad, d.amp.name, d.amp.before) == ("input", "2", "0")
+    assert (d.fp32_scope, d.fp32_also, d.scopes_tried) == ("2", ["0"], ["2", "2 + 0"])  # (no replay keeping the ReLU)
+    assert _finite_kept(model, ["2", "0"], x, lambda out, _: F.mse_loss(out.float(), y))
+
+
+class Scores(nn.Module):
+    """q k^T x 3e3 in the module's own code (autocast runs the matmul in fp16): its backward overflows."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.sm = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d), nn.Softmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sm(self.q(x) @ self.k(x).transpose(-1, -2) * 3e3) @ self.v(x)
+
+
+class WithScores(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.enc, self.attn, self.head = nn.Linear(d, d), Scores(d), nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(self.enc(x)))
+
+
+def test_a_gradient_a_modules_own_code_makes_from_a_kept_ones_output_keeps_that_module():
+    torch.manual_seed(0)
+    model = WithScores()
+    with torch.no_grad():
+        model.attn.q.weight.mul_(0.003)
+        model.attn.k.weight.mul_(0.003)
+        model.head.weight.fill_(0.1)
+    x, scale = torch.randn(1, 6, 8), 2.0 ** 14
+    d = diagnose(model, _summed, x, None, FP16, scale, scale_floor=scale)
+    # k kept in FP32, the scores' matmul (autocast: fp16) still hands its output an fp16 gradient: attn's code is
+    # kept instead, taking k's place
+    assert d.scopes_tried[-1] == "head + attn" and (d.fp32_scope, d.fp32_also) == ("head", ["attn"])
+    assert "attn.k" in " ".join(d.scopes_tried[:-1])
+
+
+def test_the_places_hold_no_tensor_so_autograd_frees_activations_as_it_would():
+    import gc
+    import weakref
+
+    from ampguard.locate import _Flows
+
+    lin, flows = nn.Linear(2, 2), _Flows({}, [], "fp16")
+    x = lin(torch.ones(1, 2))  # (a non-leaf: a module output, read by the next module)
+    args, _ = flows.read(lin, (x,), {}, None)
+    assert args[0] is not x and torch.equal(args[0], x)  # (its own alias: the values unchanged)
+    assert not any(isinstance(v, torch.Tensor) for place in flows.places.values() for v in place.values())
+    dead = weakref.ref(x)
+    del x, args
+    gc.collect()
+    assert dead() is None  # (it held them before review 49d: +139% peak memory under activation checkpointing)
+    flows.close()
