@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from .errors import (
     MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, has_control,
-    plain_digits, shortened,
+    interrupt_in, plain_digits, shortened,
 )
 
 
@@ -755,7 +755,7 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
             print("ampguard: interrupted", file=sys.stderr)
             _handled_keyboard_interrupt()
             # (a start-up SIGTERM that Python wrapped on its way out: its own code)
-            return err.__cause__.exit_code if isinstance(err.__cause__, Interrupted) else ExitCode.INTERRUPTED
+            return stop.exit_code if isinstance(stop := interrupt_in(err), Interrupted) else ExitCode.INTERRUPTED
         except BrokenPipeError:  # a write past the console's guard: the reader left, as SIGPIPE says
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return ExitCode.BROKEN_PIPE

@@ -328,18 +328,36 @@ def visible(text: str) -> str:
 
 
 def an_interrupt(err: BaseException) -> bool:
-    """A Ctrl-C, or one that Python wrapped on its way out: a KeyboardInterrupt raised while a
-    class body runs (an import torch makes lazily, e.g. ``torch._dynamo`` from the optimizer's
-    constructor) comes out as ``RuntimeError: Error calling __set_name__`` caused by it.
+    """A Ctrl-C, or one that an error raised on its way out carries: a KeyboardInterrupt raised
+    while a class body runs (an import torch makes lazily, e.g. ``torch._dynamo`` from the
+    optimizer's constructor) comes out as ``RuntimeError: Error calling __set_name__`` caused by
+    it; one inside ``torch.save`` as the zip writer's own ``RuntimeError ... unexpected pos``
+    raised while it unwound (its ``__context__``: a second Ctrl-C during a checkpoint's save read
+    as a crash, exit 1, review 49f).
 
     Example::
 
         >>> wrapped = RuntimeError("Error calling __set_name__ on 'Field' instance")
         >>> wrapped.__cause__ = KeyboardInterrupt()
-        >>> an_interrupt(KeyboardInterrupt()), an_interrupt(wrapped), an_interrupt(RuntimeError("shape"))
-        (True, True, False)
+        >>> unwound = RuntimeError("[enforce fail at inline_container.cc] . unexpected pos")
+        >>> unwound.__context__ = OSError("write")
+        >>> unwound.__context__.__context__ = KeyboardInterrupt()
+        >>> an_interrupt(KeyboardInterrupt()), an_interrupt(wrapped), an_interrupt(unwound), an_interrupt(RuntimeError())
+        (True, True, True, False)
     """
-    return isinstance(err, KeyboardInterrupt) or isinstance(err.__cause__, KeyboardInterrupt)
+    return interrupt_in(err) is not None
+
+
+def interrupt_in(err: BaseException | None) -> KeyboardInterrupt | None:
+    """The Ctrl-C ``err`` is, or carries in its chain (``__cause__``, else ``__context__``):
+    :func:`an_interrupt`'s, None when none."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:  # (a chain may loop back on itself)
+        if isinstance(err, KeyboardInterrupt):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 @contextlib.contextmanager
