@@ -425,7 +425,11 @@ class Trainer:
             due = self.evaluator.due(record.step)
             if due and self.share_buffers is not None:
                 self.share_buffers()
-            metrics = self.evaluator() if due else None
+            try:
+                metrics = self.evaluator() if due else None
+            except BaseException:  # (a second Ctrl-C, a crash: the step the model took keeps its row, written
+                self.inflight.add(record, None)  # by settle(), without the metrics it did not finish; review 49f)
+                raise
             self.inflight.add(record, metrics)
             decision = self.handle(self.inflight.ready())
             if decision is not None:

@@ -34,3 +34,27 @@ def test_a_ctrl_c_that_torch_save_wraps_in_its_own_error_is_an_interrupt_not_a_c
     assert "| ended | interrupted (Ctrl-C) after step 4 |" in (run / "RUN.md").read_text()
     assert [r["step"] for r in read_rows(run / "steps.csv")] == ["1", "2", "3", "4"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002.pt"]  # (no partial file left)
+
+
+def test_a_ctrl_c_during_an_evaluation_leaves_the_row_of_the_step_the_model_took(cli, tmp_path, monkeypatch):
+    # the evaluation runs after the step's update, before its record is queued: a second Ctrl-C there lost
+    # the row of a step the model took (README: "every step the model took still has its row")
+    from ampguard.evaluation import Evaluator
+
+    real, calls = Evaluator.__call__, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 2:  # (step 4's evaluation: step 2's is whole)
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Evaluator, "__call__", interrupted)
+    code, out, err = cli("train", "--set", "task.name=linear", "--set", "precision=bf16", "--set", "log.plot=false",
+                         "--set", "steps=6", "--set", "eval.every=2", "--set", "log.name=r")
+    assert code == 130, err
+    run = tmp_path / "runs" / "r"
+    rows = read_rows(run / "steps.csv")
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"]
+    assert rows[1]["val_loss"] != "" and rows[3]["val_loss"] == ""  # (step 4's metrics were not finished)
+    assert "| ended | interrupted (Ctrl-C) after step 4 |" in (run / "RUN.md").read_text()
