@@ -43,7 +43,9 @@ from .monitor import Event, LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .schedule import WarmupPastTheRun
-from .signals import STUCK_AFTER_S, StopFlag, Watched, leave_now, opening, stop_on_signals, watch_stuck
+from .signals import (
+    STUCK_AFTER_S, Interrupted, StopFlag, Watched, held_signals, leave_now, opening, stop_on_signals, watch_stuck,
+)
 from .files import DiskFull, disk_full_error, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
@@ -355,6 +357,8 @@ class Trainer:
         with stop_on_signals() as stop, (watch_stuck(stop, self._stuck_grace, functools.partial(self._stuck, stop))
                                          if self.dist.active else contextlib.nullcontext()):
             self.stop_flag, clean, stopped = stop, True, None
+            if self._stopped_opening is not None:  # (a resume's opening noted a stop signal: the first boundary's)
+                stop.signal = signal.Signals(self._stopped_opening - 128)
             try:
                 stopped = self._loop(stop)
             except KeyboardInterrupt:  # a second signal mid-step: no checkpoint of a half-done step
@@ -400,8 +404,12 @@ class Trainer:
             return self._close(stopped)
 
     def _loop(self, stop: StopFlag) -> Stop | None:
-        if self._agree(None, self.disk_full() is not None)[1]:  # opening the outputs found the disk full
+        interrupted, full = self._agree(stop if self._stopped_opening is not None else None,
+                                        self.disk_full() is not None)
+        if full:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
+        if interrupted:  # (a stop signal a resume's opening noted: its folder changed, it ends as a run does)
+            return self._interrupted(stop)
         if self.config.rollback.triggers and self.state.steps == 0 and self.resume is None:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
         # where a stuck collective is watched for (torchrun): a step's micro-batches (DDP's all-reduce
@@ -601,7 +609,7 @@ class Trainer:
     def _open(self) -> None:
         """Create what the run writes (rank 0 only), and tell every rank the checkpoint folder."""
         main, resuming = self.dist.is_main, self.resume is not None
-        self._failed, refused = None, None
+        self._failed, refused, self._stopped_opening = None, None, None
         try:
             with writing("the run folder"):
                 self.paths = self.outputs() if main else RunPaths()
@@ -625,6 +633,22 @@ class Trainer:
                                      ranks=self.dist.world_size)
         self.say = say = (self.bar.write if self.bar is not None else self.print_fn) if main else (lambda line: None)
         console = ConsoleSink(self.console_every, say)
+        if not resuming:
+            self._open_outputs(console, main)
+            return
+        # from its log's cut on, a resume changes its folder for good (the rows after its step, config.yaml,
+        # the card of its earlier end, newer checkpoints set aside): a stop signal there is noted, not raised,
+        # and stops the run at its first boundary with its events and a card (review 49f: it unwound as a
+        # start-up stop and left a cut CSV under the old card, or no card and the cancelled --set kept)
+        try:
+            with held_signals():
+                self._open_outputs(console, main)
+        except Interrupted as stop:
+            self._stopped_opening = stop.exit_code
+
+    def _open_outputs(self, console: ConsoleSink, main: bool) -> None:
+        """:meth:`_open`'s sinks, and for a resume its folder brought to the checkpoint's step."""
+        resuming, say = self.resume is not None, self.say
         try:
             self.sinks = build_sinks(self.config, self.paths, self.evaluator.metrics, console,
                                      keep_through=self.state.steps if resuming else None, headroom=self.headroom)

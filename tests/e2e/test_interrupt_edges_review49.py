@@ -58,3 +58,42 @@ def test_a_ctrl_c_during_an_evaluation_leaves_the_row_of_the_step_the_model_took
     assert [r["step"] for r in rows] == ["1", "2", "3", "4"]
     assert rows[1]["val_loss"] != "" and rows[3]["val_loss"] == ""  # (step 4's metrics were not finished)
     assert "| ended | interrupted (Ctrl-C) after step 4 |" in (run / "RUN.md").read_text()
+
+
+def test_a_stop_signal_while_a_resume_changes_its_folder_ends_it_as_a_run_with_its_card(cli, tmp_path, monkeypatch):
+    # from its log's cut on, a resume changes its folder for good (rows cut, config.yaml, the old card removed,
+    # newer checkpoints set aside): a SIGTERM there unwound it as a start-up stop, leaving the cut CSV under the
+    # old card (or no card at all, and the cancelled --set in config.yaml); it is noted now, and the run ends at
+    # its first boundary, as a run does: run_end, a card saying so, exit 143
+    import os
+    import signal
+
+    import ampguard.trainer as trainer
+    from helpers import run_events
+
+    before = signal.getsignal(signal.SIGTERM)
+    base = ["--set", "task.name=linear", "--set", "precision=bf16", "--set", "eval.enabled=false",
+            "--set", "log.plot=false", "--set", "checkpoint.every=2", "--set", "log.name=r"]
+    code, _, err = cli("train", *base, "--set", "steps=6")
+    assert code == 0, err
+    run = tmp_path / "runs" / "r"
+    real = trainer.build_sinks
+
+    def signalled(*args, **kwargs):
+        sinks = real(*args, **kwargs)  # (the log cut back to the checkpoint's step)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return sinks
+
+    monkeypatch.setattr(trainer, "build_sinks", signalled)
+    try:
+        code, out, err = cli("train", "--resume", run / "checkpoints" / "step-00000004.pt", "--set", "steps=8")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 143, err
+    assert "| ended | interrupted (SIGTERM) after step 4 |" in (run / "RUN.md").read_text()
+    assert [r["step"] for r in read_rows(run / "steps.csv")] == ["1", "2", "3", "4"]
+    events = run_events(run)
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "run_end" and events[-1]["message"] == "interrupted (SIGTERM) after step 4"
+    assert "resume" in kinds[kinds.index("run_end") + 1:]  # (the first run's end, then this resume's, then its end)
+    assert not (run / "checkpoints" / "step-00000006.pt").exists()  # (set aside, as the resume said)
