@@ -310,6 +310,9 @@ def _compare(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    if args.resolve and args.rounds > bench.MAX_ROUNDS:  # (the least rounds past the most: neither would hold)
+        raise InputError(f"--rounds {args.rounds} is more than the {bench.MAX_ROUNDS} rounds a case run to --resolve "
+                         "may take; --resolve 0 runs a fixed number of rounds")
     settings = dict(device=args.device, models=args.models, precisions=args.precisions, steps=args.steps,
                     rounds=args.rounds, warmup=args.warmup, fused=args.fused, peers=not args.no_peers,
                     peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json, resolve_pct=args.resolve,

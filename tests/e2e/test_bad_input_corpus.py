@@ -134,6 +134,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("bench model", ["bench", "--models", "nope"]),
     ("bench precision", ["bench", "--precisions", "fp4"]),
     ("bench steps 0", ["bench", "--steps", "0"]),
+    ("bench rounds past the most a resolve takes", ["bench", "--rounds", "3000", "--budget", "1"]),  # (review 49e)
     # ---- config values through --set
     ("steps 0", ["train", "--set", "steps=0"]),
     ("steps text", ["train", "--set", "steps=abc"]),
