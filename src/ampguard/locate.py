@@ -727,8 +727,8 @@ class _Flows:
         called): the arguments with its own alias of each tracked tensor (None when it reads none).
         A tensor inside a container torch's pytree does not know stays itself, read by the module."""
         def alias(t: Any) -> Any:
-            if not self._tracked(t) or t.grad_fn is None:  # (a parameter, a leaf: its gradient hooked as one)
-                return t
+            if not self._tracked(t) or t.grad_fn is None or t.layout != torch.strided or t.is_nested:
+                return t  # (a parameter, a leaf: its gradient hooked as one; a sparse or nested one: read as it is)
             base = self._place(t, caller)
             base = base.get("base", base)  # (a container's alias passed on to its child: the tensor's own place)
             view = t.view_as(t)
