@@ -2074,7 +2074,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     Example (``quick``: 2 rounds of 3 steps, a smoke test rather than a measurement)::
 
         >>> run(models="mlp", precisions="fp32", quick=True, peers=False)  # doctest: +ELLIPSIS
-        ampguard bench on cpu (...): 2 rounds x 3 steps, paired, fixed rounds
+        ampguard bench on cpu (...): 2 rounds x 3 steps, paired, fixed rounds; 1 warm-up step a contender, no peers
         --quick: a smoke test that every contender runs, not a measurement (...)
         tiny-mlp fp32: bare loop, ampguard + csv
         | workload | precision | contender | median ms/step | ...
@@ -2138,8 +2138,13 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                         if as_json:
                             sys.stdout = sys.stderr
                         least = "at least " if resolve else ""  # (rounds are added until the ratios are resolved)
+                        # (the settings that change the figures, on the table's own line: review 49e)
+                        settings = [f"{counted(warmup, 'warm-up step')} a contender"] + (
+                            [f"batch {batch}"] if batch else []) + (["fused AdamW"] if fused else []) + (
+                            ["torch.compile"] if compiled else []) + ([] if peers else ["no peers"])
                         print(f"ampguard bench on {where} ({machine(where)}{_load_text(load)}{threads_said}): {least}"
-                              f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}", flush=True)
+                              f"{counted(rounds, 'round')} x {counted(steps, 'step')}, paired, {until}; "
+                              f"{', '.join(settings)}", flush=True)
                         if quick:
                             print("--quick: a smoke test that every contender runs, not a measurement (its ratios are "
                                   "noise; no interval below 6 rounds)", flush=True)

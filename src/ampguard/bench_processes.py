@@ -129,6 +129,27 @@ def table(rows: Sequence[Across], quick: bool = False) -> str:
     return "\n".join(lines)
 
 
+def stops(children: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per case: why each process's rounds ended, and after how many (each process's
+    ``stop``, which the table's ratios do not show: review 49e, "the table says which").
+
+    Example::
+
+        >>> child = lambda stop, n: {"results": [{"workload": "m", "precision": "bf16", "contender": "bare loop",
+        ...                                       "stop": stop, "rounds": [1.0] * n}]}
+        >>> stops([child("resolved", 96), child("budget", 40)])
+        ['m bf16: each process stopped: resolved after 96 rounds, the time budget after 40 rounds']
+    """
+    said: dict[tuple[str, str], list[str]] = {}
+    words = {"budget": "the time budget", "max rounds": "the most rounds", "fixed": "fixed rounds"}
+    for child in children:
+        for r in child.get("results", []):
+            if r.get("contender") == Bare.name and r.get("stop") is not None:
+                said.setdefault((r["workload"], r["precision"]), []).append(
+                    f"{words.get(r['stop'], r['stop'])} after {counted(len(r.get('rounds') or []), 'round')}")
+    return [f"{w} {p}: each process stopped: {', '.join(each)}" for (w, p), each in said.items()]
+
+
 def resolution(rows: Sequence[Across], resolve: float | None) -> list[str]:
     """A line on what the processes resolved: the widest interval against ``resolve``.
 
@@ -306,7 +327,8 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
             if as_json:
                 print(to_json(children, rows, resolve, n, stopped), flush=True)
             elif rows:
-                print("\n".join([table(rows, quick), *([] if quick else resolution(rows, resolve))]), flush=True)
+                print("\n".join([table(rows, quick), *([] if quick else [*stops(children), *resolution(rows, resolve)])]),
+                      flush=True)
     except Interrupted:  # (the hold's: a signal came while the output was written, which is whole; the code
         # found before it stands: an interrupt's in the processes, a failed process's, a lost stdout's 74)
         if stopped is None and _lost_stdout() is None:

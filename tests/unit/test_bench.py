@@ -828,7 +828,8 @@ def test_the_header_says_at_least_only_when_rounds_are_added(capsys):
     finally:
         torch.set_num_threads(before)
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.endswith("): 2 rounds x 1 step, paired, fixed rounds") and "at least" not in header
+    assert header.endswith("): 2 rounds x 1 step, paired, fixed rounds; 1 warm-up step a contender, no peers")
+    assert "at least" not in header
 
 
 def test_more_threads_than_usable_cpus_are_pinned_and_the_header_says_oversubscribed(monkeypatch, capsys):

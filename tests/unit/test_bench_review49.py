@@ -34,3 +34,26 @@ def test_the_resolution_line_says_the_noise_floor_kept_the_case_from_resolving()
     line = bench.resolution(rows, 0.01)[0]
     assert line.startswith("nano-mlp fp32: not resolved to ±1% (the time budget ran out after 48 rounds; widest ±0.7%")
     assert "the noise floor reaches 1.4% from 1: identical loops read further apart than ±1% in this process" in line
+
+
+def test_the_header_carries_the_settings_that_change_the_figures(capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert bench.run(models="mlp", precisions="fp32", steps=1, rounds=2, warmup=1, peers=False, aa=False,
+                         threads=1, resolve_pct=0.0, batch=8, fused=True) == 0
+    finally:
+        torch.set_num_threads(before)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith("; 1 warm-up step a contender, batch 8, fused AdamW, no peers"), header
+
+
+def test_the_processes_lines_say_why_each_process_stopped():
+    from ampguard.bench_processes import stops
+
+    child = lambda stop, n: {"results": [  # noqa: E731
+        {"workload": "nano-mlp", "precision": "fp32", "contender": Bare.name, "stop": stop, "rounds": [1.0] * n},
+        {"workload": "nano-mlp", "precision": "fp32", "contender": Guarded.name, "stop": stop, "rounds": [1.0] * n}]}
+    assert stops([child("resolved", 96), child("budget", 40)]) == [
+        "nano-mlp fp32: each process stopped: resolved after 96 rounds, the time budget after 40 rounds"]
