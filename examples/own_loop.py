@@ -1,9 +1,9 @@
 """The guard in your own loop: a model that computes its own loss (as Hugging Face models do, an
 output object with ``.loss``), and a multi-task model whose losses are summed.
 
-    python examples/own_loop.py --model hf --precision fp16 --steps 40 --csv steps.csv --nan-at 7
-    python examples/own_loop.py --model multitask --precision bf16 --steps 40 --csv steps.csv
-    python examples/own_loop.py --model gpt2 --precision bf16 --steps 40 --csv steps.csv --nan-at 7
+    python examples/own_loop.py --model hf --precision fp16 --steps 40 --csv hf.csv --nan-at 7
+    python examples/own_loop.py --model multitask --precision bf16 --steps 40 --csv multitask.csv
+    python examples/own_loop.py --model gpt2 --precision bf16 --steps 40 --csv gpt2.csv --nan-at 7
 
 ``--model gpt2`` is a real ``transformers`` GPT2LMHeadModel, tiny and built from a GPT2Config (no
 download; needs the ``transformers`` extra).
