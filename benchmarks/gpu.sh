@@ -132,8 +132,10 @@ if want 2; then
 fi
 if want 2b; then
     stage "2b. the same on the embedded default model (small, launch-bound on a GPU), eager"
+    # (--quick runs one small model whatever --model says: its JSON, train-vs-bare-quick.json, beside stage 2's)
+    out2b="$OUT"; [ -n "${QUICK:-}" ] && out2b="$OUT/2b"
     timeout -k 20 "$TRAIN2B_S" "$PY" benchmarks/train_vs_bare.py --device "$DEVICE" --model default --eager \
-        --steps 150 --every 30 --skip 60 "${quick[@]}" --out "$OUT"
+        --steps 150 --every 30 --skip 60 "${quick[@]}" --out "$out2b"
     ended 2b $?
 fi
 if want 3; then

@@ -1,18 +1,25 @@
 """AmpGuardPlugin against Lightning's own MixedPrecision + gradient_clip_val: time per optimizer step.
 
 Each fits the same MLP on the digits data for ``--steps`` timed steps (after ``WARMUP`` untimed
-ones: the fit's set-up is not a step's cost), alternating in ``--rounds`` rounds in one process
-(so drift on a shared machine hits both); prints the median ms per step of each and the ratio. CPU only here; ``--precision 16-mixed`` is emulated on a CPU (slow).
+ones: the fit's set-up is not a step's cost), in ``--rounds`` rounds in one process, each round
+fitting every one once in the balanced orders of :func:`ampguard.bench.balanced_orders` (so drift
+on a shared machine hits all alike); ``--rounds`` is rounded up to whole cycles of those orders
+(6 for the 3 fits) and to at least the 6 rounds a 95% interval needs, with a line saying so.
+Prints the median ms per step of each, and its ratio to MixedPrecision: the median of the
+per-round ratios with its 95% interval (:func:`ampguard.bench.median_interval`). CPU only here;
+``--precision 16-mixed`` is emulated on a CPU (slow). Bad values are refused in one line (exit 2).
 
-    PYTHONPATH=src python benchmarks/lightning_plugin.py --steps 200 --rounds 5
+    PYTHONPATH=src python benchmarks/lightning_plugin.py --steps 200 --rounds 12
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 import warnings
+from typing import NoReturn
 
 import lightning as L
 import torch
@@ -69,15 +76,37 @@ def fit_seconds(plugin, steps: int, hidden: int, data, **trainer_args) -> float:
     return clock.end - clock.start
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit 2), as ``ampguard``'s own: no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def least_for_interval() -> int:
+    """The fewest rounds :func:`median_interval` gives a 95% interval for (6)."""
+    n = 1
+    while math.isnan(median_interval([1.0] * n)[1]):
+        n += 1
+    return n
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = _Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="timed steps a fit (after its first %d)" % WARMUP)
+    parser.add_argument("--rounds", type=int, default=12, help="the least; rounded up to whole cycles of the "
+                        "orders, and to the 6 a 95%% interval needs")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "16-mixed"])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: no OpenMP barriers "
                         "on a shared, oversubscribed CPU)")
     args = parser.parse_args()
+    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds), ("--hidden", args.hidden),
+                        ("--threads", args.threads)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.threads > 4096:
+        parser.error(f"--threads must be at most 4096, got {args.threads}")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     x, y, _, _ = load_split()
@@ -93,11 +122,17 @@ def main() -> None:
     names = list(fits)
     times: dict[str, list[float]] = {name: [] for name in names}
     orders = balanced_orders(len(names))  # (each fit runs after each other equally often: warm caches even out)
-    for round_ in range(args.rounds):
+    # whole cycles of the orders (a cut cycle puts some fits first more often), and enough for an interval
+    rounds = -(-max(args.rounds, least_for_interval()) // len(orders)) * len(orders)
+    if rounds != args.rounds:
+        print(f"  {rounds} rounds, not {args.rounds}: whole cycles of the {len(orders)} orders (each fit in each place "
+              f"alike), and at least the {least_for_interval()} a 95% interval needs", flush=True)
+    for round_ in range(rounds):
         for i in orders[round_ % len(orders)]:
             times[names[i]].append(fits[names[i]]())
     base = times[names[0]]
-    print(f"{args.precision}, MLP hidden {args.hidden}, batch 64, {args.steps} timed steps x {args.rounds} rounds "
+    print(f"{args.precision}, MLP hidden {args.hidden}, batch 64, {args.steps} timed steps x {rounds} rounds, "
+          f"balanced orders "
           f"(torch {torch.__version__}, lightning {L.__version__}, {torch.get_num_threads()} threads)")
     for name in names:
         ms = [t / args.steps * 1e3 for t in times[name]]

@@ -8,7 +8,10 @@ Prints each part's median microseconds per step and its ratio to the bare loop (
 MLP: 32-64-64-10 at batch 64, or its small transformer; one thread on a CPU), the ratio also
 as the median of each round's ratio with its interquartile range, the rounds in balanced orders
 (``--rounds`` rounded up to whole cycles of them, as ``train_vs_bare.py``'s blocks are: 32 for the
-default 30, with a line saying so).
+default 30, with a line saying so). The interquartile range is the middle half of the rounds'
+ratios, a spread, not a confidence interval of the median (``ampguard bench`` gives that one).
+A bad ``--precision``, ``--device`` (``cuda`` without a GPU) or count is refused in one line
+(exit 2) before anything runs.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import NoReturn
 
 import torch
 
-from ampguard.bench import Bare, Guarded, _mlp, _nano, _transformer, balanced_orders
-from ampguard.precision import Precision
+from ampguard.bench import Bare, Guarded, _case_left_out, _mlp, _nano, _transformer, balanced_orders
+from ampguard.precision import PRECISIONS, Precision
+
+MEASURED = tuple(p for p in PRECISIONS if p != "fp8")
+"""The precisions this script times (fp8 converts the model: ``ampguard bench --precisions fp8``)."""
 
 
 class StepOnly(Guarded):
@@ -37,10 +44,34 @@ class StepAndValues(Guarded):
         self.state.step(*self.w.batch).values()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit 2), as ``ampguard``'s own: no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """``--device`` as a device this script can time on (the CPU, or a CUDA GPU that is there), or
+    a one-line usage error."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device: expected cpu or cuda (cuda:N), got {name!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda (cuda:N), got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device: cuda was asked for but no CUDA device is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(f"--device: {name} was asked for but there are {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--precision", default="bf16", choices=MEASURED)
     parser.add_argument("--rounds", type=int, default=30, help="the least; rounded up to whole cycles of the orders")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fused", action="store_true", help="fused AdamW for every part (bench's --fused)")
@@ -48,7 +79,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
-    device = torch.device(args.device)
+    device = _device(parser, args.device)
+    if why := _case_left_out(args.model, args.precision, device):  # (as ampguard bench: fp16 autocast on a CPU)
+        parser.error(f"--precision {args.precision} --model {args.model}: {why}")
     if device.type == "cpu":
         torch.set_num_threads(1)
     precision = Precision(args.precision, device.type)

@@ -32,10 +32,15 @@ an interval: 2.5-3% below the others). The middle intervals are shifted alike at
     python benchmarks/train_vs_bare.py --out benchmarks/out             # GPU: GPT-2 small
     python benchmarks/train_vs_bare.py --quick --device cpu              # a dry run on a CPU
 
-Prints a line per run, then the ratios, and writes ``train-vs-bare-<model>.json`` to ``--out``
-(``train-vs-bare-quick.json`` for ``--quick``, a 2 x 32 model: never over a measured result). A
-run that does not finish (a time limit's SIGTERM, Ctrl-C, a guard's stop) is not reported: the
-script stops there with the run's exit code.
+Prints a line per run, then the ratios, and writes ``train-vs-bare-<model>.json`` to the folder
+``--out`` (``train-vs-bare-quick.json`` for ``--quick``, a 2 x 32 model: never over a measured
+result). Every argument and ``--out`` are checked before the first run, each bad one a one-line
+usage error (exit 2) with nothing run or written: ``--out`` must be a folder (made if missing) this
+process can write to, without that file in it already (no run overwrites an earlier result: move
+it away first). The JSON is written at the end, whole or not at all (a temporary file beside it,
+then renamed; were the file made during the run, the result stays in the temporary file, said on
+stderr, exit 1). A run that does not finish (a time limit's SIGTERM, Ctrl-C, a guard's stop) is
+not reported: the script stops there with the run's exit code, writing nothing.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -181,6 +186,79 @@ def verdict(ratios: list[float], bare_medians: list[float], tolerance: float = T
             "tolerance": tolerance, "resolved": why is None, "unresolved_why": why, "goal": goal}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (exit 2), as ``ampguard``'s own: no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def result_path(args: argparse.Namespace) -> Path:
+    """Where the JSON goes: ``train-vs-bare-<model>.json`` in the folder ``--out``."""
+    return args.out / f"train-vs-bare-{'quick' if args.quick else args.model}.json"
+
+
+def out_problem(path: Path) -> str | None:
+    """Why the JSON cannot be written to ``path`` at the end of the run, or ``None``; checked
+    before any run, so that a bad ``--out`` costs no device time. The folder must be one (or be
+    missing, with a folder above it this process can write in), and ``path`` must not be there
+    yet: an earlier result is never overwritten.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     folder = Path(tmp)
+        ...     _ = (folder / "train-vs-bare-quick.json").write_text("{}")
+        ...     print(out_problem(folder / "new" / "train-vs-bare-default.json"))
+        ...     print(out_problem(folder / "train-vs-bare-quick.json").split(": ", 1)[1])
+        ...     print(out_problem(folder / "train-vs-bare-quick.json" / "x.json").split(": ", 1)[1])
+        None
+        train-vs-bare-quick.json is already there (an earlier result: move it away, or give another --out)
+        not a folder
+    """
+    folder = path.parent
+    if folder.exists() and not folder.is_dir():
+        return f"--out {folder}: not a folder"
+    if path.exists() or path.is_symlink():
+        return f"--out {folder}: {path.name} is already there (an earlier result: move it away, or give another --out)"
+    existing = folder
+    while not existing.exists():  # (a folder that is missing is made at the end, in the nearest one there)
+        if existing.is_symlink():
+            return f"--out {folder}: {existing} is a link to nothing"
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"--out {folder}: {existing} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # (a probe, gone at once: os.access says yes to root)
+            pass
+    except OSError as err:
+        return f"--out {folder}: cannot write in {existing} ({err.strerror or err})"
+    return None
+
+
+def write_result(path: Path, data: dict[str, Any]) -> int:
+    """``data`` as JSON at ``path``, whole or not at all: a temporary file beside it, then
+    ``os.replace``; never over a file (one made there during the run stays, and the result is
+    left in the temporary file, said on stderr: exit 1)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=1))
+        os.chmod(part, 0o644)
+    except OSError as err:
+        print(f"train_vs_bare: the JSON could not be written to {path.parent} ({err.strerror or err})",
+              file=sys.stderr, flush=True)
+        return 1
+    if path.exists() or path.is_symlink():
+        print(f"train_vs_bare: {path} was made during the run, not overwritten: this run's JSON is {part}",
+              file=sys.stderr, flush=True)
+        return 1
+    os.replace(part, path)  # (whole or not at all: a time limit's SIGTERM mid-write leaves no half file)
+    return 0
+
+
 def _number(v: Any) -> Any:
     """``v`` as JSON takes it: nan as null."""
     return None if isinstance(v, float) and math.isnan(v) else v
@@ -188,8 +266,10 @@ def _number(v: Any) -> Any:
 
 def main() -> int:
     from ampguard.bench import INTERVAL, balanced_orders
+    from ampguard.build import resolve_device
+    from ampguard.errors import InputError
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--steps", type=int, default=80, help="steps a run")
@@ -205,15 +285,32 @@ def main() -> int:
     parser.add_argument("--exact", action="store_true", help="also ampguard train on the exact path (fast: false)")
     parser.add_argument("--quick", action="store_true", help="a tiny model (a dry run of the script)")
     parser.add_argument("--peak-tflops", type=float, default=None)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="a folder for the JSON (made if missing); an earlier result there is refused, "
+                        "not replaced")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.every, args.skip, args.batch = 12, 4, 4, 4
+    for flag, value in (("--steps", args.steps), ("--every", args.every), ("--skip", args.skip),
+                        ("--blocks", args.blocks), ("--batch", args.batch)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.skip % args.every:
+        parser.error("--skip must be a multiple of --every (ampguard train's STATS lines fall on multiples of "
+                     "--every, and the bare loop's intervals must cover the same steps)")
     if args.steps <= args.skip or (args.steps - args.skip) % args.every or (args.steps - args.skip) // args.every < 2:
         parser.error("--steps minus --skip must be a multiple of --every, and at least two of them (the last "
                      "interval of ampguard train is reported apart)")
-    if args.blocks < 1:
-        parser.error("--blocks must be at least 1")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        parser.error(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops}")
+    try:  # (the config the runs take, and the device, judged before any run: a bad one is one line)
+        _config(args)
+        device = resolve_device(args.device)
+    except InputError as err:
+        parser.error(str(err))
+    path = None if args.out is None else result_path(args)
+    if path is not None and (problem := out_problem(path)):
+        parser.error(problem)
     contenders = {BARE: lambda: bare(args), OURS: lambda: ampguard(args)}
     if args.exact:
         contenders[EXACT] = lambda: ampguard(args, fast=False)
@@ -222,7 +319,7 @@ def main() -> int:
     blocks = -(-args.blocks // len(orders)) * len(orders)
     label = "quick (2x32)" if args.quick else "gpt2-small (12x768)" if args.model == "gpt2-small" else "default (2x64)"
     print(f"train vs bare, {label}: {args.device} "
-          f"({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), "
+          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, {args.precision}, {'eager' if args.eager else 'compiled'}, batch "
           f"{args.batch}, {args.steps} steps a run, intervals of {args.every} after {args.skip}; "
           f"{blocks} paired blocks of {', '.join(names)}", flush=True)
@@ -267,17 +364,13 @@ def main() -> int:
     else:
         print(f"  NOT RESOLVED: the figure cannot tell the goal (within {TOLERANCE:.0%}): {ours['unresolved_why']}",
               flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"train-vs-bare-{'quick' if args.quick else args.model}.json"
+    if path is not None:
         data = {"args": {k: str(v) for k, v in vars(args).items()}, "label": label, "blocks": runs,
                 "results": {k: {f: _number(v) for f, v in r.items()} for k, r in results.items()},
                 "interval": INTERVAL, "confidence": 0.95, "tolerance": TOLERANCE, "resolved": ours["resolved"],
                 "unresolved_why": ours["unresolved_why"], "goal": ours["goal"],
                 "drift": _number(ours["drift"]), "spread": _number(ours["spread"])}
-        part = path.with_name(path.name + ".part")
-        part.write_text(json.dumps(data, indent=1))
-        os.replace(part, path)  # (whole or not at all: a time limit's SIGTERM mid-write leaves the last one)
+        return write_result(path, data)
     return 0
 
 
