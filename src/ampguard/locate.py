@@ -243,8 +243,9 @@ class Finding:
     ``also``: further modules reading that input, their gradients summed; ``before``: the module
     whose output that input is, if one); ``"code"`` the gradient
     of module ``before``'s output, made by the backward of module ``name``'s own code that reads
-    it (between its submodules); ``"loss"`` the gradient of the model's output, made by the loss's
-    backward (``op``: the loss)."""
+    it (between its submodules), or, with ``also`` (the modules that read it, each one's own input
+    gradient finite), by their sum; ``"loss"`` the gradient of the model's output, made by the
+    loss's backward (``op``: the loss)."""
     also: list[str] = field(default_factory=list)
     micro_batch: int = 0
     """Of an accumulated step (:func:`diagnose_group`): which micro-batch (1-based) holds the
@@ -724,8 +725,9 @@ class _Flows:
 
     def read(self, module: nn.Module, args: Any, kwargs: Any, caller: nn.Module | None) -> tuple[Any, Any] | None:
         """``module`` is called with ``args``/``kwargs`` by ``caller``'s code (None: the model is
-        called): the arguments with its own alias of each tracked tensor (None when it reads none).
-        A tensor inside a container torch's pytree does not know stays itself, read by the module."""
+        called): the arguments, each tensor that needs a gradient replaced by the module's own
+        alias of it. A tensor inside a container torch's pytree does not know stays itself, read
+        by the module."""
         def alias(t: Any) -> Any:
             if not self._tracked(t) or t.grad_fn is None or t.layout != torch.strided or t.is_nested:
                 return t  # (a parameter, a leaf: its gradient hooked as one; a sparse or nested one: read as it is)

@@ -404,11 +404,12 @@ class Trainer:
             return self._close(stopped)
 
     def _loop(self, stop: StopFlag) -> Stop | None:
-        interrupted, full = self._agree(stop if self._stopped_opening is not None else None,
-                                        self.disk_full() is not None)
+        # (a resume's stop signal, one its opening noted or one since, is agreed here on every rank, each of
+        # whose folders it changed: it ends as a run does, before its first step)
+        interrupted, full = self._agree(stop if self.resume is not None else None, self.disk_full() is not None)
         if full:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
-        if interrupted:  # (a stop signal a resume's opening noted: its folder changed, it ends as a run does)
+        if interrupted:
             return self._interrupted(stop)
         if self.config.rollback.triggers and self.state.steps == 0 and self.resume is None:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
