@@ -35,7 +35,7 @@ from . import distributed
 from .checkpoint import torch_rng_state
 from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, lrs_from_schedule
 from .config import Config
-from .errors import ConfigError, ExitCode, InputError, counted
+from .errors import ConfigError, ExitCode, InputError, counted, first_line
 from .files import temporary_beside
 from .monitor import FAIL_SKIP_RATE, Event, LossSpikeDetector, RunMonitor, metric_direction
 from .records import StepRecord
@@ -687,17 +687,23 @@ class FirstSkipDiagnosis:
         # (a model compiled in place, compile: true, is replayed eagerly: diagnose's own doing)
         # (the scaler's floor: an overflow that stays there is no routine back-off; the replay runs at it)
         floor = float(self.state.scaler.get_min_scale()) if self.state.scaler.is_enabled() else None
-        result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
-                                float(self.scale), accumulation_steps=self.state.accumulation_steps, rng=self.rng,
-                                scale_floor=floor)
-        if self.injected is not None:  # (an injected fault fires in the FP32 replay too: the finding is the fault's)
+        try:
+            result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
+                                    float(self.scale), accumulation_steps=self.state.accumulation_steps, rng=self.rng,
+                                    scale_floor=floor)
+        except Exception as err:  # noqa: BLE001 - a diagnostic: a model its replay cannot run ends no run (review 49i)
+            result, failed = None, first_line(err, with_type=True)
+        if result is not None and self.injected is not None:  # (an injected fault fires in the FP32 replay too)
             result.injected = self.injected(record.step)
-        if self.state.scaler.is_enabled():  # (at its floor the scaler cannot halve: not its routine back-off)
+        if result is not None and self.state.scaler.is_enabled():  # (at its floor the scaler cannot halve)
             result.scale_floor = float(self.state.scaler.get_min_scale())
         # under torchrun the value was born on one rank's share: each rank replays its own, and
         # the first rank that found a non-finite value is the finding of every rank
         findings = distributed.all_gather(result)
-        rank = next((r for r, found in enumerate(findings) if found.verdict != "none"), None)
+        rank = next((r for r, found in enumerate(findings) if found is not None and found.verdict != "none"), None)
+        if result is None and rank is None:
+            return self._not_replayed(record, f"its replay failed ({failed})")
+        result = findings[rank] if result is None else result
         head = tail = ""
         if rank is not None and len(findings) > 1:
             head, result = f" on rank {rank}", findings[rank]
@@ -712,11 +718,11 @@ class FirstSkipDiagnosis:
                               "message": found}, "DIAGNOSIS")
         return found
 
-    def _not_replayed(self, record: StepRecord) -> str:
+    def _not_replayed(self, record: StepRecord, why: str | None = None) -> str:
         """What :meth:`after` says for a model FSDP2 shards: every forward of it gathers the ranks'
         shards, a collective, and each rank's replays (one pass on a clean rank, three or more on
         the rank that found a value) would not pair up: a crash or a hang. Every rank says the same,
-        with no replay.
+        with no replay. ``why``: another reason it was not (a replay that raised).
 
         Example::
 
@@ -732,8 +738,9 @@ class FirstSkipDiagnosis:
             and each rank's replays would not pair up; `ampguard locate --step 4 --checkpoint <one saved before it>`
             replays the step's batch in one process
         """
-        found = (f"step {record.step} ({record.reason}): not replayed: under FSDP2 every forward gathers the ranks' "
-                 "shards (a collective), and each rank's replays would not pair up; `ampguard locate --step "
+        why = why or ("under FSDP2 every forward gathers the ranks' shards (a collective), and each rank's replays "
+                      "would not pair up")
+        found = (f"step {record.step} ({record.reason}): not replayed: {why}; `ampguard locate --step "
                  f"{record.step} --checkpoint <one saved before it>` replays the step's batch in one process")
         self.found = self.found or found
         if self.events is not None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from .errors import InputError, brief, counted, user_code
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, fp32_forward, round_float32
@@ -568,7 +568,7 @@ def trace_first_non_finite(
     calls: list[tuple[nn.Module, str, list[str], str | None, list[str], torch.Tensor | None]] = []
     counts: dict[int, int] = {}
     grad_found: list[Finding] = []
-    flows = _Flows(names, grad_found, label)
+    flows = _Flows(model, names, grad_found, label)
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         counts[id(module)] = n = counts.get(id(module), 0) + 1
@@ -700,8 +700,8 @@ class _Flows:
         'in backward, the input gradient of 1 (Linear), made by its backward from a finite gradient of its output, from a finite loss 3e+04'
     """
 
-    def __init__(self, names: dict[int, str], found: list[Finding], label: str) -> None:
-        self.names, self.found, self.label = names, found, label
+    def __init__(self, root: nn.Module, names: dict[int, str], found: list[Finding], label: str) -> None:
+        self.root, self.names, self.found, self.label = root, names, found, label
         self.places: dict[tuple[int, int], dict[str, Any]] = {}
         self.handles: list[Any] = []
 
@@ -726,18 +726,24 @@ class _Flows:
     def read(self, module: nn.Module, args: Any, kwargs: Any, caller: nn.Module | None) -> tuple[Any, Any] | None:
         """``module`` is called with ``args``/``kwargs`` by ``caller``'s code (None: the model is
         called): the arguments, each tensor that needs a gradient replaced by the module's own
-        alias of it. A tensor inside a container torch's pytree does not know stays itself, read
-        by the module."""
+        alias of it (one per tensor in the call). A tensor inside a list, a dict or another object
+        stays itself, read by the module (it may write into them: review 49i, a feature list's
+        appends were lost)."""
+        made: dict[int, torch.Tensor] = {}  # (one alias a tensor in this call: `x is kv` stays true inside it)
+
         def alias(t: Any) -> Any:
+            if isinstance(t, tuple):  # (a tuple's tensors, an LSTM's (h0, c0); a list or a dict the module may
+                return type(t)(*map(alias, t)) if hasattr(t, "_fields") else tuple(map(alias, t))  # write into: as is)
             if not self._tracked(t) or t.grad_fn is None or t.layout != torch.strided or t.is_nested:
                 return t  # (a parameter, a leaf: its gradient hooked as one; a sparse or nested one: read as it is)
-            base = self._place(t, caller)
-            base = base.get("base", base)  # (a container's alias passed on to its child: the tensor's own place)
-            view = t.view_as(t)
-            self._place(view, caller, base=base)["readers"].append(module)
-            return view
+            if id(t) not in made:
+                base = self._place(t, caller)
+                base = base.get("base", base)  # (a container's alias passed on to its child: the tensor's own place)
+                made[id(t)] = view = t.view_as(t)
+                self._place(view, caller, base=base)["readers"].append(module)
+            return made[id(t)]
 
-        new_args, new_kwargs = tree_map(alias, (args, kwargs))
+        new_args, new_kwargs = tuple(map(alias, args)), {k: alias(v) for k, v in kwargs.items()}
         for t in _tensors((new_args, new_kwargs)):  # (inside a dataclass or a mapping: the tensor itself)
             if self._tracked(t) and t.grad_fn is not None and "base" not in (place := self._place(t, caller)) \
                     and module not in place["readers"]:
@@ -763,7 +769,9 @@ class _Flows:
             place = self._place(t, caller)
             if place["maker"] is None:  # (the innermost module that made it)
                 place["maker"], place["caller"], place["source"] = module, caller, source or module
-            if caller is None:  # (the model's output: the loss reads it)
+            elif place["caller"] is module:  # (a child's output it passes out as its own: its caller's code reads it)
+                place["caller"] = caller
+            if module is self.root:  # (the model's output: the loss reads it; not a block a recompute calls alone)
                 place["output"] = True
 
     def _base_of(self, t: torch.Tensor) -> dict[str, Any] | None:
@@ -788,7 +796,8 @@ class _Flows:
         elif place.get("output") and place["maker"] is not None:
             self.found.append(Finding("backward", "", "", kind, [], dtype, self.label, before=source, grad="loss"))
         else:  # (each module's own input gradient finite: their sum, or the code that reads it too)
-            caller = place["caller"]
+            # (no caller: a block a reentrant checkpoint's recompute called alone, whose caller is the model's code)
+            caller = place["caller"] if place["caller"] is not None else self.root
             self.found.append(Finding("backward", self._name(caller), "" if caller is None else type(caller).__name__,
                                       kind, [], dtype, self.label, before=source, grad="code",
                                       also=self._readers_of(place)))
@@ -1038,7 +1047,7 @@ def find_fp32_scope(
                 # output's module; a gradient the code of a module makes from a kept one's output: that module
                 after = {"input": found.before, "code": found.name}.get(found.grad)
                 more = [after] if after and free(after) else []
-            kept = [k for k in kept if not any(_within(k, m) for m in more)] + more
+            kept = _merged(model, [k for k in kept if not any(_within(k, m) for m in more)] + more)
             if not more or len(kept) > MAX_KEPT:
                 break
         for scope in _scopes(_enclosing(first))[len(first) == 1:]:  # (one module alone: tried above)
@@ -1047,6 +1056,26 @@ def find_fp32_scope(
         return None, tried, None
     finally:
         start()
+
+
+def _merged(model: nn.Module, kept: list[str]) -> list[str]:
+    """``kept`` with the modules that are every module with weights of the one holding them (not
+    the model) replaced by that one, outward while any are: counted against :data:`MAX_KEPT` as
+    one (review 49i: a chain of blocks fell to the whole model where three blocks did).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Sequential(nn.Linear(1, 1), nn.ReLU(), nn.Linear(1, 1)), nn.Linear(1, 1))
+        >>> _merged(model, ["0.0", "0.2"]), _merged(model, ["0.0", "1"])
+        (['0'], ['0.0', '1'])
+    """
+    while True:
+        parents = {k.rpartition(".")[0] for k in kept if "." in k}
+        whole = next((p for p in sorted(parents, key=len, reverse=True)
+                      if sum(_within(k, p) for k in kept) > 1 and _holds_only(model, p, kept)), None)
+        if whole is None:
+            return kept
+        kept = [k for k in kept if not _within(k, whole)] + [whole]
 
 
 def _holds_only(model: nn.Module, scope: str, kept: list[str]) -> bool:

@@ -297,7 +297,7 @@ def test_the_places_hold_no_tensor_so_autograd_frees_activations_as_it_would():
 
     from ampguard.locate import _Flows
 
-    lin, flows = nn.Linear(2, 2), _Flows({}, [], "fp16")
+    lin, flows = nn.Linear(2, 2), _Flows(nn.Linear(1, 1), {}, [], "fp16")
     x = lin(torch.ones(1, 2))  # (a non-leaf: a module output, read by the next module)
     args, _ = flows.read(lin, (x,), {}, None)
     assert args[0] is not x and torch.equal(args[0], x)  # (its own alias: the values unchanged)
@@ -307,3 +307,119 @@ def test_the_places_hold_no_tensor_so_autograd_frees_activations_as_it_would():
     gc.collect()
     assert dead() is None  # (it held them before review 49d: +139% peak memory under activation checkpointing)
     flows.close()
+
+
+# ---- review 49i: the aliases against what models do with their arguments
+
+
+class Collect(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, feats: list, state: dict) -> torch.Tensor:
+        y = self.lin(x)
+        feats.append(y)  # (a feature pyramid's list, an incremental decoder's state: written into)
+        state["prev"] = y
+        return y
+
+
+class Collecting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = Collect(), Collect()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats: list = []
+        state: dict = {}
+        self.c2(self.c1(x, feats, state), feats, state)
+        return (torch.stack(feats).sum(0) + state["prev"]) * 1e5
+
+
+class SameTwice(nn.Module):
+    """kv is x: the self-attention path (nn.MultiheadAttention takes its packed projection so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 1e5 if kv is x else self.lin(x) * 0
+
+
+class CallsSameTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.i = nn.Linear(4, 4), SameTwice()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.i(h, h)
+
+
+def test_a_module_writing_into_a_list_or_dict_argument_is_diagnosed_as_it_runs():
+    # the replay handed each module new copies of its lists and dicts: its writes were lost, diagnose() raised
+    torch.manual_seed(0)
+    model, x, y = Collecting(), torch.ones(2, 4), torch.zeros(2, 4)
+    d = diagnose(model, F.mse_loss, x, y, FP16)
+    assert d.verdict == "precision-range" and d.amp.where == "forward"
+
+
+def test_one_tensor_passed_twice_is_one_alias_so_identity_holds_inside_the_module():
+    torch.manual_seed(0)
+    d = diagnose(CallsSameTwice(), F.mse_loss, torch.ones(2, 4), torch.zeros(2, 4), FP16)
+    assert (d.amp.where, d.amp.name) == ("forward", "i")  # (two aliases took the `* 0` path: "no non-finite value")
+
+
+class PassesOut(nn.Module):
+    """blk (a Sequential) passes its last child's output out; the model's own code (x 1e5) overflows its gradient."""
+
+    def __init__(self, reentrant: bool | None = None) -> None:
+        super().__init__()
+        self.a, self.blk, self.reentrant = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.reentrant is None:
+            return self.blk(h) * 1e5
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.blk, h, use_reentrant=self.reentrant) * 1e5
+
+
+def test_a_code_finding_names_the_code_that_reads_the_value_not_the_container_that_passed_it_on():
+    for reentrant in (None, False, True):  # (a reentrant recompute calls blk alone: not the model's output)
+        torch.manual_seed(0)
+        found = trace_first_non_finite(PassesOut(reentrant), F.mse_loss, torch.ones(2, 4), torch.zeros(2, 4), FP16)
+        assert (found.grad, found.name, found.op, found.before) == ("code", "", "PassesOut", "blk.1"), reentrant
+
+
+def test_modules_that_are_a_whole_block_count_as_the_block_against_the_cap():
+    from ampguard.locate import _merged
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(3)))
+    assert _merged(model, ["2.0", "1.1", "1.0", "0.1"]) == ["2.0", "0.1", "1"]
+    assert sorted(_merged(model, ["0.0", "0.1", "1.0", "1.1", "2.0", "2.1"])) == ["0", "1", "2"]  # (not the model)
+
+
+def test_a_first_skip_diagnosis_whose_replay_raises_ends_no_run():
+    from ampguard.guards import FirstSkipDiagnosis
+    from ampguard.step import AmpTrainState
+
+    class Breaks(nn.Linear):
+        calls = 0
+
+        def forward(self, x):
+            Breaks.calls += 1
+            if Breaks.calls > 2:  # (the step's two passes ran; the replay's raise)
+                raise RuntimeError("a model the replay cannot run")
+            return super().forward(x)
+
+    model = Breaks(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="bf16")
+    diagnosis = FirstSkipDiagnosis(state, model)
+    for x in (torch.ones(4, 2), torch.full((4, 2), float("nan"))):
+        diagnosis.capture((x, torch.zeros(4, 1)))
+        found = diagnosis.after(state.step(x, torch.zeros(4, 1)))
+    assert found.startswith("step 2 (non_finite_loss): not replayed: its replay failed (RuntimeError: a model the "
+                            "replay cannot run); `ampguard locate --step 2"), found
