@@ -690,7 +690,11 @@ def peer_gone(err: BaseException) -> bool:
 
 
 def _stop_key() -> str:
-    return f"ampguard/start-up-stopped/{_groups_joined}"
+    """The store key of a stop's word: this attempt's (torchrun keeps its rendezvous store across
+    ``--max-restarts`` attempts: an earlier attempt's word read a later attempt's crash as its
+    stop, review 49h), and this process's group (a process that joins more than one)."""
+    attempt = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"ampguard/start-up-stopped/{'/'.join(attempt)}/{_groups_joined}"
 
 
 def tell_stopped(code: int) -> None:

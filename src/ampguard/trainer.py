@@ -366,6 +366,9 @@ class Trainer:
             except Exception as err:  # a crash mid-run (the task's model or loss, or a bug): card, then traceback
                 # (a Ctrl-C Python wrapped on its way out of the user's code is an interrupt, as above)
                 crashed, clean = (None if an_interrupt(err) else err), False
+                if crashed is None:  # (an error raised while the Ctrl-C unwound: said, not lost; review 49h)
+                    warnings.warn(f"raised while the interrupt unwound: {first_line(err, with_type=True)}",
+                                  AmpguardWarning, stacklevel=1)
                 if crashed is not None and distributed.peer_gone(crashed) and \
                         (code := distributed.peer_stopped()) is not None:  # a peer's second signal cut its
                     # step short and it left (end_alone, below): its stop, this rank's too, not a crash
@@ -409,8 +412,8 @@ class Trainer:
         interrupted, full = self._agree(stop if self.resume is not None else None, self.disk_full() is not None)
         if full:  # opening the outputs found the disk full
             return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
-        if interrupted:
-            return self._interrupted(stop)
+        if interrupted and self.state.steps < self.config.steps:  # (a resume of a run that had finished: it
+            return self._interrupted(stop)                        # ends finished, as at the last boundary)
         if self.config.rollback.triggers and self.state.steps == 0 and self.resume is None:
             self.save()  # step-00000000.pt: a trigger before the first checkpoint.every returns to the start
         # where a stuck collective is watched for (torchrun): a step's micro-batches (DDP's all-reduce
