@@ -124,7 +124,7 @@ def _bad_at(value: Any, known: torch.Tensor | None = None) -> tuple[str | None, 
         'nan'
     """
     floats = _floats(value)
-    if not floats:
+    if all(bool(torch.isfinite(t).all()) for t in floats):  # (one reduction a tensor: the codes only for a bad one)
         return None, None
     device = floats[0].device
     where = torch.cat([_codes(t).to(device) for t in floats])
@@ -138,17 +138,13 @@ def _bad_at(value: Any, known: torch.Tensor | None = None) -> tuple[str | None, 
 
 
 def _bad(value: Any) -> str | None:
-    """'nan', 'inf' or None: the first non-finite kind in any floating tensor of ``value``. One
-    reduction each when all are finite (the backward's hooks ask it of every gradient), the codes
-    only when one is not.
+    """'nan', 'inf' or None: the first non-finite kind in any floating tensor of ``value``.
 
     Example::
 
         >>> _bad(torch.ones(2)), _bad([torch.ones(1), torch.tensor([math.inf, math.nan])])
         (None, 'nan')
     """
-    if all(bool(torch.isfinite(t).all()) for t in _floats(value)):
-        return None
     return _bad_at(value)[0]
 
 
