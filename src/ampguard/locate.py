@@ -451,8 +451,8 @@ class Diagnosis:
                 f"{self.loss_scale:g} its gradient still overflows {self.amp.precision}, which the scaler answers by "
                 "halving the scale and skipping the step while it settles)") if lower else ""
         if self.fp32_scope == "":
-            tried = ", ".join(name for name in self.scopes_tried[:-1] if name)
-            smaller = f"no smaller scope in FP32 does (tried {tried}); " if tried else ""
+            tried = " or ".join(name for name in self.scopes_tried[:-1] if name)  # (those that did not fix it)
+            smaller = f"keeping {tried} in FP32 does not fix it; " if tried else ""
             return (f"; {smaller}the whole model in FP32 (autocast off, the same loss scale) fixes this batch"
                     if not lower else f"; {smaller}the whole model in FP32 (autocast off) fixes this batch{then}")
         if self.fp32_scope is not None and self.fp32_also:

@@ -66,7 +66,7 @@ def test_a_scaler_that_cannot_back_off_below_the_steps_scale_keeps_the_old_verdi
     assert (d.fp32_scope, d.scope_scale) == ("", 65536.0)
     # (block.lin, then head beside it: the rest of the model's weights, every Linear: the model itself, review 49a)
     assert d.scopes_tried == ["block.lin", "block.lin + head", ""]
-    assert ("no smaller scope in FP32 does (tried block.lin, block.lin + head); the whole model in FP32 (autocast off, "
+    assert ("keeping block.lin or block.lin + head in FP32 does not fix it; the whole model in FP32 (autocast off, "
             "the same loss scale) fixes this batch") in d.message()
 
 

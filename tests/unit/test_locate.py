@@ -460,7 +460,7 @@ def test_when_no_module_alone_fixes_it_the_message_says_so():
     assert result.verdict == "precision-range" and result.amp.name == "body.big"
     assert result.scopes_tried == ["body.big", ""]  # (body.big + head fixed it: every Linear, the model)
     assert result.fp32_scope == ""
-    assert result.message().endswith("; no smaller scope in FP32 does (tried body.big); the whole model in FP32 "
+    assert result.message().endswith("; keeping body.big in FP32 does not fix it; the whole model in FP32 "
                                      "(autocast off, the same loss scale) fixes this batch")
 
     # a loss whose matmul autocast runs in fp16: 120000 overflows there whatever runs in FP32 before
