@@ -546,6 +546,54 @@ def all_gather(obj: Any) -> list[Any]:
     return out
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+               "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+               "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv")
+"""The ``torch.distributed`` calls :func:`no_collectives` refuses."""
+
+
+class CollectiveInReplay(RuntimeError):
+    """A collective the user's code issued inside :func:`no_collectives`."""
+
+
+@contextlib.contextmanager
+def no_collectives() -> Iterator[None]:
+    """Under a process group of several, a ``torch.distributed`` collective (:data:`COLLECTIVES`,
+    called as ``dist.all_reduce``, as a loss that all-reduces its sample count or SyncBatchNorm
+    does) raises :class:`CollectiveInReplay` before it is issued, for the ``with`` block: the
+    first-skip diagnosis replays the step a different number of times on each rank (the rank that
+    found a value three passes or more, a clean one one), and a collective there waited in a rank
+    the others never joined: the job hung at its first skip (review 49j). Every rank's replay then
+    fails at its first such call and says so alike. Nothing without a process group.
+
+    Example (no process group: nothing refused)::
+
+        >>> with no_collectives():
+        ...     dist.is_available()
+        True
+    """
+    if not current().active:
+        yield
+        return
+
+    def refused(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise CollectiveInReplay(f"the model or the loss calls torch.distributed.{name}, a collective, which a "
+                                     "replay on each rank alone cannot pair up")
+        return call
+
+    modules = (dist, dist.distributed_c10d)  # (called as dist.all_reduce, or through the module that defines it)
+    saved = [(module, name, getattr(module, name)) for module in modules for name in COLLECTIVES if hasattr(module, name)]
+    try:
+        for module, name, _ in saved:
+            setattr(module, name, refused(name))
+        yield
+    finally:
+        for module, name, function in saved:
+            setattr(module, name, function)
+
+
 def first_error(message: str | None) -> str | None:
     """The lowest rank's ``message`` that is not None, on every rank (a collective): ranks that
     met a problem on their own share (their slice of a batch, a file they read) refuse or stop

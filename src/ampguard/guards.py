@@ -687,10 +687,12 @@ class FirstSkipDiagnosis:
         # (a model compiled in place, compile: true, is replayed eagerly: diagnose's own doing)
         # (the scaler's floor: an overflow that stays there is no routine back-off; the replay runs at it)
         floor = float(self.state.scaler.get_min_scale()) if self.state.scaler.is_enabled() else None
-        try:
-            result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
-                                    float(self.scale), accumulation_steps=self.state.accumulation_steps, rng=self.rng,
-                                    scale_floor=floor)
+        failed = None
+        try:  # (a collective of the user's code in a replay is refused: ranks replay different numbers of passes)
+            with distributed.no_collectives():
+                result = diagnose_group(self.model, self.state.loss_fn, self.group, self.state.precision,
+                                        float(self.scale), accumulation_steps=self.state.accumulation_steps,
+                                        rng=self.rng, scale_floor=floor)
         except Exception as err:  # noqa: BLE001 - a diagnostic: a model its replay cannot run ends no run (review 49i)
             result, failed = None, first_line(err, with_type=True)
         if result is not None and self.injected is not None:  # (an injected fault fires in the FP32 replay too)
@@ -698,11 +700,19 @@ class FirstSkipDiagnosis:
         if result is not None and self.state.scaler.is_enabled():  # (at its floor the scaler cannot halve)
             result.scale_floor = float(self.state.scaler.get_min_scale())
         # under torchrun the value was born on one rank's share: each rank replays its own, and
-        # the first rank that found a non-finite value is the finding of every rank
-        findings = distributed.all_gather(result)
+        # the first rank that found a non-finite value is the finding of every rank; a replay that
+        # failed on a rank is said by every rank when no rank found one (review 49j: rank 0 said
+        # "none on any rank" while the faulted rank's replay had failed)
+        findings, failures = zip(*distributed.all_gather((result, failed)))
         rank = next((r for r, found in enumerate(findings) if found is not None and found.verdict != "none"), None)
-        if result is None and rank is None:
-            return self._not_replayed(record, f"its replay failed ({failed})")
+        if rank is None and any(failures):
+            ranks: dict[str, list[str]] = {}
+            for r, why in enumerate(failures):
+                if why:
+                    ranks.setdefault(why, []).append(str(r))
+            where = [why if len(failures) == 1 else f"rank{'s' * (len(rs) > 1)} {', '.join(rs)}: {why}"
+                     for why, rs in ranks.items()]
+            return self._not_replayed(record, f"its replay failed ({'; '.join(where)})")
         result = findings[rank] if result is None else result
         head = tail = ""
         if rank is not None and len(findings) > 1:

@@ -746,7 +746,9 @@ class _Flows:
                 base = self._place(t, caller)
                 base = base.get("base", base)  # (a container's alias passed on to its child: the tensor's own place)
                 made[id(t)] = view = t.view_as(t)
-                self._place(view, caller, base=base)["readers"].append(module)
+                alias_place = self._place(view, caller, base=base)
+                alias_place["readers"].append(module)
+                base.setdefault("aliases", []).append(alias_place)  # (kept here: the dict forgets a dead one's key)
             return made[id(t)]
 
         new_args, new_kwargs = tuple(map(alias, args)), {k: alias(v) for k, v in kwargs.items()}
@@ -811,7 +813,7 @@ class _Flows:
     def _readers_of(self, base: dict[str, Any]) -> list[str]:
         """The innermost modules that read ``base``'s tensor through an alias (not a container
         that passed its alias on to a child), in the order they read it."""
-        names = [self._name(m) for p in self.places.values() if p.get("base") is base for m in p["readers"]]
+        names = [self._name(m) for p in base.get("aliases", []) for m in p["readers"]]  # (in the order they read it)
         return [n for n in dict.fromkeys(names) if not any(o != n and _within(o, n) for o in names)]
 
     def close(self) -> None:

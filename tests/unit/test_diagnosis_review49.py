@@ -423,3 +423,48 @@ def test_a_first_skip_diagnosis_whose_replay_raises_ends_no_run():
         found = diagnosis.after(state.step(x, torch.zeros(4, 1)))
     assert found.startswith("step 2 (non_finite_loss): not replayed: its replay failed (RuntimeError: a model the "
                             "replay cannot run); `ampguard locate --step 2"), found
+
+
+# ---- review 49j: the first-skip diagnosis under torchrun
+
+
+def test_a_collective_in_a_replay_is_refused_before_it_is_issued_and_put_back_after(monkeypatch):
+    # ranks replay different numbers of passes: a loss that all-reduces its sample count waited in a collective
+    # the other rank never joined (the job hung at its first skip)
+    import torch.distributed as dist
+
+    from ampguard import distributed
+
+    real = dist.all_reduce
+    monkeypatch.setattr(distributed, "current", lambda: type("Info", (), {"active": True})())
+    with distributed.no_collectives():
+        try:
+            dist.all_reduce(torch.ones(1))
+        except distributed.CollectiveInReplay as err:
+            assert "torch.distributed.all_reduce, a collective" in str(err)
+        else:
+            raise AssertionError("the collective went through")
+        try:
+            dist.distributed_c10d.all_gather_into_tensor(torch.ones(2), torch.ones(1))
+        except distributed.CollectiveInReplay:
+            pass
+        else:
+            raise AssertionError("the collective went through")
+    assert dist.all_reduce is real and dist.distributed_c10d.all_reduce is real
+
+
+def test_every_ranks_replay_failure_is_said_when_no_rank_found_a_value(monkeypatch):
+    # rank 0 said "no non-finite value on any of the 2 ranks" while the faulted rank's replay had failed
+    from ampguard import guards
+    from ampguard.guards import FirstSkipDiagnosis
+    from ampguard.step import AmpTrainState
+
+    model = nn.Linear(2, 1)
+    state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="bf16")
+    diagnosis = FirstSkipDiagnosis(state, model)
+    gathered = [(None, "RuntimeError: boom"), (None, "RuntimeError: boom"), (None, None)]
+    monkeypatch.setattr(guards.distributed, "all_gather", lambda mine: gathered)
+    x = torch.full((4, 2), float("nan"))
+    diagnosis.capture((x, torch.zeros(4, 1)))
+    found = diagnosis.after(state.step(x, torch.zeros(4, 1)))
+    assert "not replayed: its replay failed (ranks 0, 1: RuntimeError: boom)" in found, found

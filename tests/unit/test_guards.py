@@ -432,7 +432,7 @@ def test_the_first_skip_diagnosis_names_the_rank_where_the_value_was_born(monkey
                           precision="bf16")
     born = Diagnosis(Finding("loss", op="injected_loss", kind="nan", precision="bf16"),
                      Finding("loss", op="injected_loss", kind="nan", precision="fp32"), "data/model")
-    monkeypatch.setattr(distributed, "all_gather", OtherRank(born))
+    monkeypatch.setattr(distributed, "all_gather", OtherRank((born, None)))  # (its finding; its replay did not fail)
     lines: list[str] = []
     diagnosis = g.FirstSkipDiagnosis(state, model, EventLog(None, lines.append))
     diagnosis.capture((torch.ones(4, 2), torch.zeros(4, 1)))  # rank 0's own share is clean
@@ -450,7 +450,8 @@ def test_a_diagnosis_that_no_rank_can_place_says_so(monkeypatch):
     model = torch.nn.Linear(2, 1)
     state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
                           precision="bf16")
-    monkeypatch.setattr(distributed, "all_gather", OtherRank(Diagnosis(Finding("none", precision="bf16"), None, "none")))
+    monkeypatch.setattr(distributed, "all_gather",
+                        OtherRank((Diagnosis(Finding("none", precision="bf16"), None, "none"), None)))
     diagnosis = g.FirstSkipDiagnosis(state, model)
     diagnosis.capture((torch.ones(4, 2), torch.zeros(4, 1)))
     assert diagnosis.after(skip(2)) == ("step 2 (non_finite_grad): no non-finite value in forward, loss or backward "
