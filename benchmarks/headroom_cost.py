@@ -32,7 +32,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import resource
@@ -42,38 +41,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NoReturn
 
-from ampguard.bench import balanced_orders, median_interval
+from ampguard.bench import ScriptParser, balanced_orders, in_whole_cycles, least_for_interval, median_interval
 
 TOLERANCE = 0.02
 """The goal: headroom telemetry at ``every: 100`` within 2% of a run without it."""
 
 
-def least_for_interval() -> int:
-    """The fewest rounds :func:`median_interval` gives a 95% interval for (6).
-
-    Example::
-
-        >>> least_for_interval()
-        6
-    """
-    n = 1
-    while math.isnan(median_interval([1.0] * n)[1]):
-        n += 1
-    return n
-
-
 def whole_cycles(asked: int, cycle: int) -> int:
     """``asked`` rounds rounded up to whole cycles of ``cycle`` orders and to at least the rounds
-    a 95% interval needs.
+    a 95% interval needs (:func:`~ampguard.bench.least_for_interval`).
 
     Example::
 
         >>> whole_cycles(2, 2), whole_cycles(7, 2), whole_cycles(10, 6), whole_cycles(1, 6)
         (6, 8, 12, 6)
     """
-    return -(-max(asked, least_for_interval()) // cycle) * cycle
+    return in_whole_cycles(asked, cycle, least_for_interval())
 
 
 def goal(low: float, high: float, tolerance: float = TOLERANCE) -> str:
@@ -216,15 +200,8 @@ def in_process(rounds: int, steps: int, every: int, threads: int) -> None:
           f"steps: {_pct(*spread, digits=3)} of a step (medians of the {rounds} rounds' values, 95% intervals)")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (exit 2), as ``ampguard``'s own: no usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def main() -> int:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=6,
                         help="pairs of whole runs (0: skip part 1); rounded up to whole cycles of the 2 orders and "
                         "to the 6 a 95%% interval needs")

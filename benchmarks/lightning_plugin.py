@@ -14,12 +14,9 @@ per-round ratios with its 95% interval (:func:`ampguard.bench.median_interval`).
 
 from __future__ import annotations
 
-import argparse
-import math
 import statistics
 import time
 import warnings
-from typing import NoReturn
 
 import lightning as L
 import torch
@@ -27,7 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.nn import functional as F
 
-from ampguard.bench import balanced_orders, median_interval
+from ampguard.bench import ScriptParser, balanced_orders, in_whole_cycles, least_for_interval, median_interval
 from ampguard.integrations.lightning import AmpGuardPlugin
 from ampguard.tasks.digits import load_split
 
@@ -76,23 +73,8 @@ def fit_seconds(plugin, steps: int, hidden: int, data, **trainer_args) -> float:
     return clock.end - clock.start
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (exit 2), as ``ampguard``'s own: no usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def least_for_interval() -> int:
-    """The fewest rounds :func:`median_interval` gives a 95% interval for (6)."""
-    n = 1
-    while math.isnan(median_interval([1.0] * n)[1]):
-        n += 1
-    return n
-
-
 def main() -> None:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="timed steps a fit (after its first %d)" % WARMUP)
     parser.add_argument("--rounds", type=int, default=12, help="the least; rounded up to whole cycles of the "
                         "orders, and to the 6 a 95%% interval needs")
@@ -123,7 +105,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in names}
     orders = balanced_orders(len(names))  # (each fit runs after each other equally often: warm caches even out)
     # whole cycles of the orders (a cut cycle puts some fits first more often), and enough for an interval
-    rounds = -(-max(args.rounds, least_for_interval()) // len(orders)) * len(orders)
+    rounds = in_whole_cycles(args.rounds, len(orders), least_for_interval())
     if rounds != args.rounds:
         print(f"  {rounds} rounds, not {args.rounds}: whole cycles of the {len(orders)} orders (each fit in each place "
               f"alike), and at least the {least_for_interval()} a 95% interval needs", flush=True)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import NoReturn
 
 import torch
 
-from ampguard.bench import Bare, Guarded, _case_left_out, _mlp, _nano, _transformer, balanced_orders
+from ampguard.bench import (
+    Bare, Guarded, ScriptParser, _case_left_out, _mlp, _nano, _transformer, balanced_orders, in_whole_cycles,
+)
 from ampguard.precision import PRECISIONS, Precision
 
 MEASURED = tuple(p for p in PRECISIONS if p != "fp8")
@@ -44,13 +45,6 @@ class StepAndValues(Guarded):
         self.state.step(*self.w.batch).values()
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (exit 2), as ``ampguard``'s own: no usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _device(parser: argparse.ArgumentParser, name: str) -> torch.device:
     """``--device`` as a device this script can time on (the CPU, or a CUDA GPU that is there), or
     a one-line usage error."""
@@ -69,7 +63,7 @@ def _device(parser: argparse.ArgumentParser, name: str) -> torch.device:
 
 
 def main() -> None:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="bf16", choices=MEASURED)
     parser.add_argument("--rounds", type=int, default=30, help="the least; rounded up to whole cycles of the orders")
@@ -94,7 +88,7 @@ def main() -> None:
             part.step()
     order, orders = list(parts.items()), balanced_orders(len(parts))  # each part after every other alike
     # whole cycles of the orders (as train_vs_bare.py's blocks): a cut cycle puts some parts first more often
-    rounds = -(-args.rounds // len(orders)) * len(orders)
+    rounds = in_whole_cycles(args.rounds, len(orders))
     print(f"step parts, {args.model} {args.precision} on {device}: {rounds} rounds x {args.steps} steps, balanced "
           f"orders of {len(parts)} parts", flush=True)
     if rounds != args.rounds:

@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -186,13 +186,6 @@ def verdict(ratios: list[float], bare_medians: list[float], tolerance: float = T
             "tolerance": tolerance, "resolved": why is None, "unresolved_why": why, "goal": goal}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (exit 2), as ``ampguard``'s own: no usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def result_path(args: argparse.Namespace) -> Path:
     """Where the JSON goes: ``train-vs-bare-<model>.json`` in the folder ``--out``."""
     return args.out / f"train-vs-bare-{'quick' if args.quick else args.model}.json"
@@ -265,11 +258,11 @@ def _number(v: Any) -> Any:
 
 
 def main() -> int:
-    from ampguard.bench import INTERVAL, balanced_orders
+    from ampguard.bench import INTERVAL, ScriptParser, balanced_orders, in_whole_cycles
     from ampguard.build import resolve_device
     from ampguard.errors import InputError
 
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--steps", type=int, default=80, help="steps a run")
@@ -316,7 +309,7 @@ def main() -> int:
         contenders[EXACT] = lambda: ampguard(args, fast=False)
     names = list(contenders)
     orders = balanced_orders(len(names))
-    blocks = -(-args.blocks // len(orders)) * len(orders)
+    blocks = in_whole_cycles(args.blocks, len(orders))
     label = "quick (2x32)" if args.quick else "gpt2-small (12x768)" if args.model == "gpt2-small" else "default (2x64)"
     print(f"train vs bare, {label}: {args.device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "

@@ -20,6 +20,7 @@ under the table say so). On CUDA each contender's steps are timed with CUDA even
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import json
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -638,6 +639,41 @@ INTERVAL = "order statistics (binomial), distribution-free"
 """What every ratio interval is, for the JSON."""
 
 
+def least_for_interval(confidence: float = CONFIDENCE) -> int:
+    """The fewest values :func:`median_interval` gives an interval at ``confidence`` for.
+
+    Example::
+
+        >>> least_for_interval(), least_for_interval(0.99)
+        (6, 8)
+    """
+    n = 1
+    while math.isnan(median_interval([1.0] * n, confidence=confidence)[1]):
+        n += 1
+    return n
+
+
+def in_whole_cycles(asked: int, cycle: int, least: int = 1) -> int:
+    """``asked`` rounds rounded up to whole cycles of ``cycle`` round orders (a cut cycle puts some
+    contenders first more often) and to at least ``least`` (:func:`least_for_interval`, for a
+    script that reports an interval).
+
+    Example::
+
+        >>> in_whole_cycles(7, 2), in_whole_cycles(30, 24), in_whole_cycles(1, 6, least_for_interval())
+        (8, 48, 6)
+    """
+    return -(-max(asked, least) // cycle) * cycle
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """argparse for the benchmark scripts: a usage error is one line (exit 2), as ``ampguard``'s
+    own, not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def median_interval(values: list[float], *, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """``(median, low, high)``: the median and the distribution-free interval of it from the order
     statistics: with ``x(1) <= ... <= x(n)``, ``[x(k), x(n+1-k)]`` for the largest ``k`` such that
@@ -1020,7 +1056,7 @@ def measure(
     timed = [r.contender for r in ready]
     cycle = orders(len(timed))
     if resolve is None and whole_cycles and rounds % len(cycle):
-        asked, rounds = rounds, -(-rounds // len(cycle)) * len(cycle)
+        asked, rounds = rounds, in_whole_cycles(rounds, len(cycle))
         print(f"  {case}: {rounds} rounds, not {asked}: fixed rounds run whole cycles of the {len(cycle)} round "
               "orders (every contender in every place alike)", flush=True)
     ran = _run_rounds(timed, device, case, steps=steps, orders=cycle, rounds=rounds, resolve=resolve,
