@@ -62,35 +62,45 @@ def test_a_ctrl_c_during_an_evaluation_leaves_the_row_of_the_step_the_model_took
     assert "| ended | interrupted (Ctrl-C) after step 4 |" in (run / "RUN.md").read_text()
 
 
+RUN = [*LINEAR, "--set", "checkpoint.every=2", "--set", "log.name=r"]
+
+
+def _resumed_with_a_signal(cli, monkeypatch, signum: int, *resume: object) -> tuple[int, str, str]:
+    """``ampguard train --resume ...`` whose own process is sent ``signum`` once the resume has cut its
+    log back to the checkpoint's step (just after its sinks are built); the handler before put back."""
+    import os
+    import signal
+
+    import ampguard.trainer as trainer
+
+    real, before = trainer.build_sinks, signal.getsignal(signum)
+
+    def signalled(*args, **kwargs):
+        sinks = real(*args, **kwargs)  # (the log cut back to the checkpoint's step)
+        os.kill(os.getpid(), signum)
+        return sinks
+
+    monkeypatch.setattr(trainer, "build_sinks", signalled)
+    try:
+        return cli("train", "--resume", *resume)
+    finally:
+        signal.signal(signum, before)
+
+
 def test_a_stop_signal_while_a_resume_changes_its_folder_ends_it_as_a_run_with_its_card(cli, tmp_path, monkeypatch):
     # from its log's cut on, a resume changes its folder for good (rows cut, config.yaml, the old card removed,
     # newer checkpoints set aside): a SIGTERM there unwound it as a start-up stop, leaving the cut CSV under the
     # old card (or no card at all, and the cancelled --set in config.yaml); it is noted now, and the run ends at
     # its first boundary, as a run does: run_end, a card saying so, exit 143
-    import os
     import signal
 
-    import ampguard.trainer as trainer
     from helpers import run_events
 
-    before = signal.getsignal(signal.SIGTERM)
-    base = ["--set", "task.name=linear", "--set", "precision=bf16", "--set", "eval.enabled=false",
-            "--set", "log.plot=false", "--set", "checkpoint.every=2", "--set", "log.name=r"]
-    code, _, err = cli("train", *base, "--set", "steps=6")
+    code, _, err = cli("train", *RUN, "--set", "steps=6")
     assert code == 0, err
     run = tmp_path / "runs" / "r"
-    real = trainer.build_sinks
-
-    def signalled(*args, **kwargs):
-        sinks = real(*args, **kwargs)  # (the log cut back to the checkpoint's step)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return sinks
-
-    monkeypatch.setattr(trainer, "build_sinks", signalled)
-    try:
-        code, out, err = cli("train", "--resume", run / "checkpoints" / "step-00000004.pt", "--set", "steps=8")
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    code, out, err = _resumed_with_a_signal(cli, monkeypatch, signal.SIGTERM,
+                                            run / "checkpoints" / "step-00000004.pt", "--set", "steps=8")
     assert code == 143, err
     assert "| ended | interrupted (SIGTERM) after step 4 |" in (run / "RUN.md").read_text()
     assert [r["step"] for r in read_rows(run / "steps.csv")] == ["1", "2", "3", "4"]
@@ -104,29 +114,12 @@ def test_a_stop_signal_while_a_resume_changes_its_folder_ends_it_as_a_run_with_i
 def test_a_stop_signal_while_resuming_a_finished_run_leaves_it_finished(cli, tmp_path, monkeypatch):
     # review 49h: the first boundary's agreement stopped it as "interrupted after step 6" over a run that had
     # trained all its 6 steps (exit 130; without the signal it ends finished, exit 0)
-    import os
     import signal
 
-    import ampguard.trainer as trainer
-
-    before = signal.getsignal(signal.SIGINT)
-    base = ["--set", "task.name=linear", "--set", "precision=bf16", "--set", "eval.enabled=false",
-            "--set", "log.plot=false", "--set", "checkpoint.every=2", "--set", "log.name=r", "--set", "steps=6"]
-    code, _, err = cli("train", *base)
+    code, _, err = cli("train", *RUN, "--set", "steps=6")
     assert code == 0, err
     run = tmp_path / "runs" / "r"
-    real = trainer.build_sinks
-
-    def signalled(*args, **kwargs):
-        sinks = real(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)
-        return sinks
-
-    monkeypatch.setattr(trainer, "build_sinks", signalled)
-    try:
-        code, out, err = cli("train", "--resume", run)
-    finally:
-        signal.signal(signal.SIGINT, before)
+    code, out, err = _resumed_with_a_signal(cli, monkeypatch, signal.SIGINT, run)
     assert code == 0, err
     assert "| ended | finished: 6 steps |" in (run / "RUN.md").read_text()
 
