@@ -601,6 +601,20 @@ class Batch:
         return ended
 
 
+RANK_EXIT = '''
+import os, sys
+from pathlib import Path
+from ampguard.cli import main
+
+code = int(main(sys.argv[2:]))
+Path(f"{sys.argv[1]}.rank{os.environ['RANK']}.rc").write_text(str(code))  # (helpers.rank_codes)
+sys.exit(code)
+'''
+"""A torchrun worker script (``rank_exit.py RUN verb args...``): ``ampguard``'s ``main``, then the
+code it returned written to ``RUN.rank<R>.rc`` (:func:`rank_codes`), which ``os._exit`` and a
+torchrun summary would not tell."""
+
+
 def rank_codes(run: Path) -> dict[int, int]:
     """``{rank: the code its main returned}`` of the ranks that wrote ``RUN.rank<R>.rc`` (a
     :class:`Batch` run, or a wrapper that does the same): a rank that died or raised wrote none."""

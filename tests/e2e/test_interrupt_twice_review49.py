@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Launch, end_launches, rank_codes, torchrun_env
+from helpers import EARLY_TIMEOUT_S, RANK_EXIT, TORCHRUN, Launch, end_launches, rank_codes, torchrun_env
 
 from ampguard.errors import ExitCode
 
@@ -30,15 +30,6 @@ HANG_S = 60.0
 """How long the job may take to end once rank 1's second signal was sent (it takes a few seconds;
 a hang waited 30 minutes)."""
 
-WRAPPER = '''
-import os, sys
-from pathlib import Path
-from ampguard.cli import main
-
-code = int(main(sys.argv[2:]))
-Path(f"{sys.argv[1]}.rank{os.environ['RANK']}.rc").write_text(str(code))  # (helpers.rank_codes)
-sys.exit(code)
-'''
 TWICE = '''
 import os
 import signal
@@ -77,7 +68,7 @@ RUN = ["train", "--set", "task.factory=../twice.py:build", "--set", "precision=f
 def early(work: Path) -> dict[str, object]:
     """{"I": (torchrun's code, stdout, stderr, folder), "hung": whether it ran past ``HANG_S`` after
     the second signal and was killed} (an early job: see conftest.py)."""
-    (work / "rank_exit.py").write_text(WRAPPER)
+    (work / "rank_exit.py").write_text(RANK_EXIT)
     (work / "twice.py").write_text(TWICE)
     launch = Launch("I", [str(work / "rank_exit.py"), str(work / "I"), *RUN], work / "I", timeout_s=EARLY_TIMEOUT_S,
                     env=torchrun_env(PYTHONDONTWRITEBYTECODE="1"))

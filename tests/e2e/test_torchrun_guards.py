@@ -80,8 +80,8 @@ import signal
 import time
 from pathlib import Path
 
-from helpers import (EARLY_TIMEOUT_S, TORCHRUN, Batch, Ended, Launch, Run, end_launches, rank_codes, run_events,
-                     snapshot_of, torchrun_env)
+from helpers import (EARLY_TIMEOUT_S, RANK_EXIT, TORCHRUN, Batch, Ended, Launch, Run, end_launches, rank_codes,
+                     run_events, snapshot_of, torchrun_env)
 
 from ampguard.errors import ExitCode
 
@@ -143,15 +143,6 @@ def build(config):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(19, 4, generator=g), torch.randn(19, 1, generator=g)  # (the fifth batch, of 3: past the
     return nn.Linear(4, 1), [(x[i:i + 4], y[i:i + 4]) for i in range(0, 19, 4)], nn.functional.mse_loss  # start-up's four)
-'''
-WRAPPER = '''
-import os, sys
-from pathlib import Path
-from ampguard.cli import main
-
-code = int(main(sys.argv[2:]))
-Path(f"{sys.argv[1]}.rank{os.environ['RANK']}.rc").write_text(str(code))  # (helpers.rank_codes)
-sys.exit(code)
 '''
 PATCHES = '''
 """The batches' prelude (helpers.Batch): each patch acts in the run whose environment names it."""
@@ -240,7 +231,7 @@ def early(work: Path) -> dict[str, tuple]:
     by side in ``work``; and ``W-left``, what W's kill left before its resume (an early job: see
     conftest.py)."""
     wrapper = work / "rank_exit.py"
-    wrapper.write_text(WRAPPER)
+    wrapper.write_text(RANK_EXIT)
     (work / "sharded_eval.py").write_text(SHARDED_EVAL)
     (work / "X" / "runs" / "X").mkdir(parents=True)  # the folder of an earlier run
     (work / "sampler.py").write_text(SAMPLER)
