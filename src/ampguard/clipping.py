@@ -223,6 +223,8 @@ def clip_threshold(max_norm: float | None) -> float | None:
         >>> clip_threshold(1.0), clip_threshold(0.0), clip_threshold(-1), clip_threshold(None)
         (1.0, None, None, None)
     """
+    if isinstance(max_norm, torch.Tensor):  # read once, as PyTorch's clip reads it (``float(max_norm)``)
+        max_norm = float(max_norm)
     return max_norm if max_norm is not None and max_norm > 0 else None
 
 
@@ -290,7 +292,7 @@ def post_clip_norm(pre: torch.Tensor, factor: torch.Tensor, max_norm: float) -> 
     ``max_norm`` so float32 rounding of the product never reports a norm an ulp above it (a
     ``max_norm`` past the dtype's largest number caps nothing: the clamp takes that largest,
     where the number itself would not convert)."""
-    return (pre * factor).clamp_(max=min(max_norm, torch.finfo(pre.dtype).max))
+    return (pre * factor).clamp_(max=min(float(max_norm), torch.finfo(pre.dtype).max))
 
 
 # the dtypes whose post-clip norm :func:`post_clip_value` computes on the host, bit for bit
@@ -310,6 +312,7 @@ def post_clip_value(pre: float, factor: float, max_norm: float, dtype: torch.dty
         >>> post_clip_value(pre.item(), factor.item(), 1.0, torch.float32) == post_clip_norm(pre, factor, 1.0).item()
         True
     """
+    max_norm = float(max_norm)  # (a one-element tensor threshold, as clip_threshold reads it)
     if dtype == torch.float64:
         return min(pre * factor, max_norm)
     if dtype != torch.float32:

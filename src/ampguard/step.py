@@ -753,7 +753,9 @@ class Guard:
         root = self.__dict__.get("_root")  # (Guard() checked the model before it set this)
         if root is not None:
             _refuse_sparse_clip(root, value)
-        self._max_norm = value
+        # a one-element tensor is read here, once, as PyTorch's clip reads it (``float(max_norm)``):
+        # every step then clips with a number, the sync-free one with no host read of it
+        self._max_norm = float(value) if isinstance(value, torch.Tensor) else value
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, pickle, ``torch.save``) keeps what the guard knows of its

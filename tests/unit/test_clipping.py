@@ -106,6 +106,20 @@ def test_bitwise_equal_to_clip_grad_norm_(scale, max_norm):
     assert float(post) == pytest.approx(min(float(pre), max_norm), rel=1e-5)
 
 
+@pytest.mark.parametrize("max_norm", [torch.tensor([0.3]), torch.tensor(0.3, dtype=torch.float64),
+                                      torch.tensor([[0.3]], dtype=torch.float64), torch.tensor(0.3, dtype=torch.bfloat16)])
+def test_a_one_element_tensor_threshold_clips_as_clip_grad_norm_does(max_norm):
+    # review 50d: a (1,)-shaped threshold was accepted, then failed in the clip's in-place
+    # multiply; a float64 one computed the factor in float32, where PyTorch reads float(max_norm)
+    for seed in range(20):
+        grads = random_grads(scale=3.0, seed=seed)
+        mine, theirs = params_with_grads(*grads), params_with_grads(*grads)
+        pre, post = clip_global_l2_norm(mine, max_norm)
+        assert torch.equal(pre, torch.nn.utils.clip_grad_norm_(theirs, max_norm))
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, theirs))
+        assert post.shape == () and post <= torch.tensor(float(max_norm))  # (a float32 norm: capped at it in float32)
+
+
 def test_bitwise_equal_to_clip_grad_norm_on_a_model_after_backward():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))

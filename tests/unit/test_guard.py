@@ -124,6 +124,19 @@ def test_guard_is_bit_for_bit_the_canonical_loop_clean_and_with_a_spike(precisio
         assert any(skipped for _, skipped in ref_steps)
 
 
+@pytest.mark.parametrize("max_norm", [torch.tensor([0.05]), torch.tensor(0.05, dtype=torch.float64)],
+                         ids=["shape-1", "float64"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_tensor_threshold_clips_every_step_as_the_canonical_loop_does(precision, max_norm):
+    # review 50d: Guard(max_norm=tensor([x])) was accepted, then its first step failed; a float64
+    # threshold made a factor clip_grad_norm_ (which reads float(max_norm)) does not
+    data = batches(6)
+    ref_params, ref_steps = reference(precision, 1, data, output_loss, max_norm=max_norm)
+    params, records = guarded(precision, 1, data, output_loss, max_norm=max_norm)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert all(r.values()["grad_l2_post_clip"] <= 0.05 + 1e-6 < r.values()["grad_l2_pre_clip"] for r in records)
+
+
 @pytest.mark.parametrize("accum", [1, 3])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_a_loss_already_divided_by_the_accumulation_steps_is_not_divided_again(precision, accum):
