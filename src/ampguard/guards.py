@@ -712,7 +712,8 @@ class FirstSkipDiagnosis:
                     ranks.setdefault(why, []).append(str(r))
             where = [why if len(failures) == 1 else f"rank{'s' * (len(rs) > 1)} {', '.join(rs)}: {why}"
                      for why, rs in ranks.items()]
-            return self._not_replayed(record, f"its replay failed ({'; '.join(where)})")
+            failed_on = [r for r, why in enumerate(failures) if why] if len(failures) > 1 else None
+            return self._not_replayed(record, f"its replay failed ({'; '.join(where)})", failed_on)
         result = findings[rank] if result is None else result
         head = tail = ""
         if rank is not None and len(findings) > 1:
@@ -728,11 +729,12 @@ class FirstSkipDiagnosis:
                               "message": found}, "DIAGNOSIS")
         return found
 
-    def _not_replayed(self, record: StepRecord, why: str | None = None) -> str:
+    def _not_replayed(self, record: StepRecord, why: str | None = None, ranks: list[int] | None = None) -> str:
         """What :meth:`after` says for a model FSDP2 shards: every forward of it gathers the ranks'
         shards, a collective, and each rank's replays (one pass on a clean rank, three or more on
         the rank that found a value) would not pair up: a crash or a hang. Every rank says the same,
-        with no replay. ``why``: another reason it was not (a replay that raised).
+        with no replay. ``why``: another reason it was not (a replay that raised); ``ranks``: under
+        several, the ranks whose replay raised (the event's ``ranks``, as a finding's ``rank``).
 
         Example::
 
@@ -754,6 +756,7 @@ class FirstSkipDiagnosis:
                  f"{record.step} --checkpoint <one saved before it>` replays the step's batch in one process")
         self.found = self.found or found
         if self.events is not None:
-            self.events.emit({"step": record.step, "event": "diagnosis", "verdict": "not replayed",
+            extra = {"ranks": ranks} if ranks is not None else {}
+            self.events.emit({"step": record.step, "event": "diagnosis", "verdict": "not replayed", **extra,
                               "message": found}, "DIAGNOSIS")
         return found

@@ -461,10 +461,13 @@ def test_every_ranks_replay_failure_is_said_when_no_rank_found_a_value(monkeypat
 
     model = nn.Linear(2, 1)
     state = AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, precision="bf16")
-    diagnosis = FirstSkipDiagnosis(state, model)
+    emitted = []
+    diagnosis = FirstSkipDiagnosis(state, model, events=type("Events", (), {"emit": lambda _, e, *a: emitted.append(e)})())
     gathered = [(None, "RuntimeError: boom"), (None, "RuntimeError: boom"), (None, None)]
     monkeypatch.setattr(guards.distributed, "all_gather", lambda mine: gathered)
     x = torch.full((4, 2), float("nan"))
     diagnosis.capture((x, torch.zeros(4, 1)))
     found = diagnosis.after(state.step(x, torch.zeros(4, 1)))
     assert "not replayed: its replay failed (ranks 0, 1: RuntimeError: boom)" in found, found
+    # the event names them too, as a finding's names its rank (review 50: it carried no rank)
+    assert [(e["verdict"], e["ranks"], e["message"]) for e in emitted] == [("not replayed", [0, 1], found)]
