@@ -1671,6 +1671,7 @@ class Sinks:
         self.failed: DiskFull | None = None
         """The first write that found the disk full. That sink is dropped; the others go on (the
         run stops at the step's end: ``Trainer``)."""
+        self._told: list[Any] = []  # the lost tracker sinks newly_lost() named
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         for sink in list(self.sinks):  # (each refuses a None itself: NONE_WRITTEN)
@@ -1704,10 +1705,24 @@ class Sinks:
 
     def finish(self, result: Any) -> None:
         """After the run card is written: the sinks that end a tracker run (``finish(result)``)
-        upload the run folder's files and end it."""
+        upload the run folder's files and end it; every one of them, the first error raised after
+        (one that failed left the next one's run FAILED, with no totals: review 50f)."""
+        errors = []
         for sink in self.sinks:
             if hasattr(sink, "finish"):
-                sink.finish(result)
+                try:
+                    sink.finish(result)
+                except Exception as err:  # noqa: BLE001 - raised below, once the others ended
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+
+    def newly_lost(self) -> list[str]:
+        """Why each tracker sink lost since the last call stopped taking steps (``lost``: its
+        store or server failed; the run goes on without it), for the run's event log."""
+        lost = [sink.lost for sink in self.sinks if getattr(sink, "lost", None) and sink not in self._told]
+        self._told.extend(sink for sink in self.sinks if getattr(sink, "lost", None) and sink not in self._told)
+        return lost
 
     def _drop(self, sink: Sink, full: DiskFull, through: int | None) -> None:
         if sink in self.sinks:

@@ -586,6 +586,8 @@ class Trainer:
         for event in events:
             self.events.emit(event.as_dict(), event_word(event.kind))
         self.sinks.observe(self.monitor, events)  # the tracker sinks log the monitor's view with the step
+        for why in self.sinks.newly_lost():  # (its warning was the console's line; the log keeps when)
+            self.events.emit({"step": self.monitor.steps, "event": "tracker_lost", "message": why})
 
     def save_due(self, step: int) -> bool:
         """A checkpoint every ``checkpoint.every`` steps, but not at the last step (``run()``

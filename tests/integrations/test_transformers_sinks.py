@@ -17,7 +17,7 @@ pytest.importorskip("mlflow")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from ampguard.errors import AmpguardWarning  # noqa: E402
-from ampguard.integrations.trackers import MLflowSink  # noqa: E402
+from ampguard.integrations.trackers import MLflowSink, TrackerLostWarning  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
 
 
@@ -183,8 +183,9 @@ def test_a_crash_stays_trains_own_error_when_a_sink_fails_to_close(tmp_path, err
 
 
 def test_a_failed_upload_still_ends_the_tracker_run_with_the_outcome(tmp_path):
+    # (said once; the train() the tracker watched is not failed by it: review 50f)
     sink = UploadFails(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
-    with pytest.raises(OSError, match="the artifact store is unreachable"):
+    with pytest.warns(TrackerLostWarning, match=r"failed at the run's end \(the artifact store is unreachable\)"):
         _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=2).train()
     run = sink.client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["ampguard.exit_code"] == "0"  # (ended, not RUNNING)

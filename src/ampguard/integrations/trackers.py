@@ -186,6 +186,11 @@ def end_unserved(sinks: Sequence[Any], rank: int, who: str) -> None:
                       "process 0 logs; build them on process 0 alone (their runs say so in 'ended')", AmpguardWarning)
 
 
+class TrackerLostWarning(AmpguardWarning):
+    """A tracker sink's store or server failed (read-only, full, gone): the sink sends nothing
+    more and the run goes on without it (:attr:`TrackerSink.lost`)."""
+
+
 class TrackerSink:
     """What the two tracker sinks share: a :class:`~ampguard.sinks.Sink` whose step row waits
     until the run's monitor has seen the record too (:meth:`observe`), so each step is one
@@ -195,6 +200,14 @@ class TrackerSink:
     In a run (``finish_later=True``) ``close()`` flushes the last row and :meth:`finish` (after
     the run card is written) uploads the artifacts and ends the tracker run; otherwise ``close()``
     ends it.
+
+    A tracker is a view of the run, not the run: a call to it that fails (its store read-only or
+    full, its server gone) loses the sink (:attr:`lost`, one :class:`TrackerLostWarning`), which
+    sends nothing more; the training, its CSV and checkpoints go on, and its exit code is the
+    run's. The tracker run is ended as it can be: FAILED when it lacks steps. Review 50f: a
+    read-only MLflow store stopped a 40-step run at step 6 with a traceback (exit 1), and one
+    tracker failing at the end left the other's run FAILED and a finished run exit 1. A name the
+    tracker refuses (MLflow's rule, your metric's) is still raised at the write that brings it.
     """
 
     found_earlier: bool | None = None
@@ -210,6 +223,9 @@ class TrackerSink:
         # it sent a step or a run's totals, or the run is not its own to speak for (one it continued, which
         # holds steps already; a W&B run you gave it): an ended run with none of these says why it is empty
         self._said = False
+        self.lost: str | None = None
+        """Why the sink sends nothing more (its tracker failed: :class:`TrackerLostWarning`), or None."""
+        self._lost_at: int | None = None  # the first step the tracker run lacks (None: lost at the end, every step in)
 
     @property
     def where(self) -> str:
@@ -222,6 +238,8 @@ class TrackerSink:
             raise TypeError(NONE_WRITTEN)
         if self._ended:  # (as CsvSink: a row written after close() went nowhere, unsaid)
             raise ValueError(f"{type(self).__name__} ({self.where}) is closed: nothing more can be written to it")
+        if self.lost is not None:  # (said once, when it was lost)
+            return
         # (as CsvSink: a second loop's step 1 went in beside the first's)
         check_step_after(f"{type(self).__name__} ({self.where})", record.step,
                          max(self._sent, self._pending[0] if self._pending is not None else 0),
@@ -234,7 +252,8 @@ class TrackerSink:
         if self._pending is not None:
             self._pending[1].update(monitor_metrics(monitor))
         for event in events:
-            self._event(event.as_dict())
+            said = event.as_dict()
+            self._send(said.get("step"), self._event, said)
         self._flush()
 
     def begin_again(self, step: int) -> str | None:
@@ -263,22 +282,23 @@ class TrackerSink:
         store down), the error raised after."""
         try:
             self._flush()
-            if not self._ended:
+            if not self._ended and self.lost is None:
                 self._said = True
-                self._summary(run_totals(result))
+                self._send(None, self._summary, run_totals(result))
                 folder = result.paths.dir
                 files = [] if folder is None else [
                     path for pattern in ARTIFACTS for path in sorted(folder.glob(pattern)) if path.is_file()]
                 if files:
-                    self._upload(files)
+                    self._send(None, self._upload, files)
         finally:
             self._end(int(result.exit_code))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, None  # (taken first: a row the tracker refuses is said once)
-        if pending is not None and not self._ended:
+        if pending is not None and not self._ended and self.lost is None:
             step, row = pending
-            if self._log(step, row) is not False:  # (False: the tracker held that step already, nothing sent)
+            sent = self._send(step, self._log, step, row)
+            if self.lost is None and sent is not False:  # (False: the tracker held that step already, nothing sent)
                 self._said = True
                 self._sent = max(self._sent, step)
                 self._low = step if self._low is None else min(self._low, step)
@@ -292,12 +312,40 @@ class TrackerSink:
         if not self._ended:
             try:
                 self._flush()
-                if not self._said:
-                    self._summary({"ended": unsent})
+                if not self._said and self.lost is None:
+                    self._send(None, self._summary, {"ended": unsent})
             finally:  # (a row that cannot go out does not keep the run open)
                 self._ended = True
                 atexit.unregister(self._at_exit)
-                self._stop(exit_code)
+                if self.lost is None:
+                    self._send(None, self._stop, exit_code)
+                if self.lost is not None:  # ended as it can be, with no second warning: FAILED if it lacks steps
+                    with contextlib.suppress(Exception):
+                        self._stop_lost(1 if self._lost_at is not None else exit_code)
+
+    def _send(self, step: int | None, call: Any, *args: Any) -> Any:
+        """``call(*args)``, a call to the tracker, unless the sink is :attr:`lost`; one that fails
+        loses it (``step``: the step being sent, None at the end), said once."""
+        if self.lost is not None:
+            return None
+        try:
+            return call(*args)
+        except Exception as err:  # noqa: BLE001 - each tracker's store fails its own way
+            self._lose(step, err)
+            return None
+
+    def _lose(self, step: int | None, err: BaseException) -> None:
+        """The tracker failed: nothing more is sent to it (what it queued is dropped), said once
+        as a :class:`TrackerLostWarning`; the run goes on."""
+        self._pending, self._lost_at = None, step
+        when = f"stopped taking steps at step {step}" if step is not None else "failed at the run's end"
+        self.lost = f"{self.where} {when} ({first_line(err)})"
+        with contextlib.suppress(Exception):
+            self._abandon()
+        lacks = (f"the tracker run lacks step {step} and later" if step is not None else
+                 "the tracker run may lack the run's totals or files")
+        warnings.warn(f"{type(self).__name__}: {self.lost}: the run goes on without it (its CSV and checkpoints "
+                      f"hold every step); {lacks}", TrackerLostWarning, stacklevel=2)
 
     def _at_exit(self) -> None:
         """Registered with ``atexit`` once the run is open, for a loop that never called ``close()``:
@@ -312,6 +360,13 @@ class TrackerSink:
     # -- what each tracker does
     def _log(self, step: int, row: dict[str, float]) -> bool | None:
         raise NotImplementedError
+
+    def _abandon(self) -> None:
+        """The sink was lost: drop what it queued for the tracker, without waiting for it."""
+
+    def _stop_lost(self, exit_code: int) -> None:
+        """End the tracker run of a lost sink, as far as its store still can (errors ignored)."""
+        self._stop(exit_code)
 
     def _end_incomplete_forks(self, old: Any) -> None:
         """Forks of ``old`` whose history copy a kill cut short (``ampguard.resumed_from`` it, but
@@ -443,6 +498,8 @@ class WandbSink(TrackerSink):
     def where(self) -> str:
         files = getattr(self.run, "dir", None)
         mode = getattr(getattr(self.run, "settings", None), "mode", None) or "online"
+        if mode == "disabled":  # (W&B names a folder it never makes: review 50f)
+            files = None
         return f"W&B run {getattr(self.run, 'id', '?')} ({mode})" + (f", files in {Path(files).parent}" if files else "")
 
     def _log(self, step: int, row: dict[str, float]) -> bool:
@@ -709,17 +766,55 @@ class MLflowSink(TrackerSink):
 
         from mlflow.entities import Metric
 
+        self._sent_so_far()  # (a batch the background logger failed to send loses the sink here, one step on)
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in row.items()]
         self._ops.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=not self._async))
         if len(self._ops) > 256:  # keep the handles bounded: wait for the oldest
             self._wait(keep=128)
 
+    def _sent_so_far(self) -> None:
+        """The background logger's batches already done, taken off the front without waiting; the
+        first that failed raised (review 50f: a server gone mid-run was said by MLflow's own
+        logger once a step, then as a traceback at the end)."""
+        while self._ops and all(future.done() for future in _futures(self._ops[0])):
+            op = self._ops.pop(0)
+            if op is not None:
+                op.wait()
+
     def _wait(self, keep: int = 0) -> None:
+        """Until no more than ``keep`` batches are in flight; all of them (``keep`` 0: the end)
+        within :data:`END_WAIT_S`, else a ``TimeoutError`` (a server gone: MLflow's defaults
+        retry a request for about four minutes, and an end waited on each)."""
+        if keep == 0 and self._ops:
+            import concurrent.futures
+
+            pending = [future for op in self._ops for future in _futures(op)]
+            if left := concurrent.futures.wait(pending, timeout=END_WAIT_S).not_done:
+                raise TimeoutError(f"the tracking server took {len(left)} batch(es) of steps not in {END_WAIT_S:g} s")
         while len(self._ops) > keep:
             op = self._ops.pop(0)
             if op is not None:
                 op.wait()
+
+    def _abandon(self) -> None:
+        self._ops.clear()
+
+    def _stop_lost(self, exit_code: int) -> None:
+        """A lost run ends FAILED (or with ``exit_code``, lost at the end) if its store takes it:
+        a server with :func:`reach_server`'s bounded retries, not MLflow's four minutes."""
+        if self._yours:
+            return
+        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 141, 143) else "FAILED"
+        if urlparse(str(self.client.tracking_uri)).scheme not in ("http", "https"):
+            self.client.set_terminated(self.run_id, status)
+            return
+        from mlflow.utils.rest_utils import http_request
+
+        http_request(self.client._tracking_client.store.get_host_creds(), "/api/2.0/mlflow/runs/update", "POST",
+                     max_retries=_env_count("MLFLOW_HTTP_REQUEST_MAX_RETRIES", PROBE_RETRIES),
+                     timeout=_env_count("MLFLOW_HTTP_REQUEST_TIMEOUT", PROBE_TIMEOUT_S),
+                     json={"run_id": self.run_id, "status": status, "end_time": int(time.time() * 1000)})
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = str(event.get("event"))
@@ -749,6 +844,16 @@ class MLflowSink(TrackerSink):
             return
         status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 141, 143) else "FAILED"
         self.client.set_terminated(self.run_id, status)
+
+
+END_WAIT_S = 120.0
+"""How long :meth:`MLflowSink` waits at the run's end for the steps its background logger still
+holds before the sink is lost (:class:`TrackerLostWarning`) and the process goes on to exit."""
+
+
+def _futures(op: Any) -> list[Any]:
+    """The futures of one of MLflow's ``RunOperations`` (none for a synchronous call's ``None``)."""
+    return list(getattr(op, "_operation_futures", None) or ())
 
 
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
