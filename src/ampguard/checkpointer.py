@@ -441,7 +441,7 @@ class CheckpointManager:
             _check_optimizer(loaded.path, payload.get(OPTIMIZER), optimizer.optimizer)
         scheduler = self.parts.get(SCHEDULER)
         if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-            _check_scheduler(loaded.path, payload.get(SCHEDULER), scheduler)
+            _check_scheduler(loaded.path, payload.get(SCHEDULER), scheduler, loaded.step)
         if isinstance(payload.get(STATE), Mapping):
             _check_step_state(loaded.path, payload[STATE], self.parts.get(STATE))
 
@@ -1029,6 +1029,9 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
                 if not _finite_scalar(value):  # (a step count of NaN: NaN bias corrections, every weight NaN)
                     number = value.item() if isinstance(value, torch.Tensor) else value
                     raise refuse(f"{name} of parameter {pid!r} is {number:g}")
+                if name in NON_NEGATIVE and _below_zero(value):  # (review 50e: a step of -4 crashed the first step
+                    # after the resume had cut the logs; an exp_avg_sq below 0 made NaN updates, the weights NaN)
+                    raise refuse(f"{name} of parameter {pid!r} is below 0 (a count or a mean of squares)")
     # a moment holding a NaN or an infinity (no update the guard applies leaves one): the first
     # update after the resume would make every weight NaN, each step after it skipped
     if moments and not bool(torch.stack([torch.isfinite(t).all().cpu() for _, _, t in moments]).all()):
@@ -1080,6 +1083,24 @@ def _state_kinds(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], liv
     except Exception:  # noqa: BLE001 - a step that needs a closure, or a device it cannot run on here
         return None
     return {name: isinstance(value, torch.Tensor) and value.dim() > 0 for name, value in fresh.state[probe].items()}
+
+
+NON_NEGATIVE = ("step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf")
+"""Optimizer state no step leaves below 0: the step count, and the running means or sums of
+squares (Adam's and AdamW's, RMSprop's, Adagrad's, Adadelta's) and Adamax's largest magnitude."""
+
+
+def _below_zero(value: Any) -> bool:
+    """Whether a number, or any value of a tensor, is below 0.
+
+    Example::
+
+        >>> _below_zero(torch.tensor([0.0, 2.0])), _below_zero(torch.tensor(-4.0)), _below_zero(3)
+        (False, True, False)
+    """
+    if isinstance(value, torch.Tensor):
+        return not value.is_complex() and value.numel() > 0 and bool((value < 0).any())
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0
 
 
 def _finite_scalar(value: Any) -> bool:
@@ -1223,7 +1244,12 @@ def check_scaler_state(path: Path | str, saved: Any, scaler: Any) -> None:
         raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
 
 
-def _check_scheduler(path: Path, saved: Any, scheduler: Any) -> None:
+SCHEDULER_COUNTS = ("last_epoch", "_step_count")
+"""A scheduler's counts of its steps: a fresh scheduler's plus at most one a step of the run
+(the guard steps it once an applied update; ``scheduler_on_skip: step``, once a step)."""
+
+
+def _check_scheduler(path: Path, saved: Any, scheduler: Any, step: int | None = None) -> None:
     def refuse(why: str) -> InputError:
         return InputError(f"{path}: its scheduler state does not fit this run's scheduler: {why}")
 
@@ -1237,6 +1263,11 @@ def _check_scheduler(path: Path, saved: Any, scheduler: Any) -> None:
             continue
         if not _same_kind(value, live[key]):
             raise refuse(_difference(key, value, live[key], "this scheduler's"))
+        # review 50e: a last_epoch of -5 passed, then the first step divided by zero after the
+        # resume had cut the run's logs; one of 1e9 put the LR at the schedule's floor, unsaid
+        if key in SCHEDULER_COUNTS and step is not None and type(value) is int and type(live[key]) is int and \
+                not live[key] <= value <= live[key] + step:
+            raise refuse(f"{key} is {value}, and a scheduler of {step} step(s) counts {live[key]} to {live[key] + step}")
 
 
 def _difference(name: str, saved: Any, live: Any, whose: str, depth: int = 0) -> str:
@@ -1388,6 +1419,8 @@ def _effective(config: dict[str, Any]) -> dict[str, Any]:
     scaler = dict(config.get("scaler") or {})
     if scaler.get("enabled") is None:
         scaler["enabled"] = uses_loss_scaler(config.get("precision"))
+    if not scaler["enabled"]:  # (its settings take no effect: a change to one is none, review 50e)
+        scaler = {"enabled": False}
     fp8 = {"fp8": config["fp8"]} if config.get("precision") == "fp8" and "fp8" in config else {}
     task = dict(config.get("task") or {})
     factory = task.get("factory")

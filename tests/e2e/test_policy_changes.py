@@ -101,6 +101,20 @@ def test_an_unchanged_resume_records_nothing(fp16_run, tmp_path):
     assert POLICY not in ckpt.load_checkpoint(run / "checkpoints" / "step-00000010.pt")
 
 
+def test_a_scaler_setting_a_run_without_a_loss_scaler_ignores_is_not_recorded(tmp_path):
+    # review 50e: a bf16 resume warned the settings were ignored, then wrote them as POLICY changes
+    # (console, events.jsonl, the card, later checkpoints) while the scale stayed 1.0
+    ok(train(tmp_path, "R", *BASE, "--set", "precision=bf16"))
+    run = tmp_path / "R"
+    result = ag("train", "--resume", run / "checkpoints" / "step-00000005.pt",
+                "--set", "scaler.init_scale=1024", "--set", "scaler.growth_interval=10")
+    out, err = ok(result), result[2]
+    assert "scaler.init_scale, scaler.growth_interval ignored" in err
+    assert not [line for line in out.splitlines() if line.startswith("POLICY")]
+    assert _policy_events(run) == []
+    assert _card_row(run, "policy changes on resume") == "| policy changes on resume | none |"
+
+
 def test_a_rollback_to_a_checkpoint_older_than_the_change_keeps_the_new_setting(tmp_path):
     # resumed at step 4 with a new LR; the spike at 5 rolls back to step 4's checkpoint, which was
     # saved with the old LR: the new one must hold after the rollback too

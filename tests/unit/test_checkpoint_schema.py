@@ -236,6 +236,39 @@ def test_a_scheduler_state_that_would_replace_its_attributes_or_types_does_not_f
     assert line.startswith(f"{PATH}: its scheduler state does not fit this run's scheduler: ") and said in line
 
 
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"last_epoch": -5}, "last_epoch is -5, and a scheduler of 4 step(s) counts 0 to 4"),
+    ({"last_epoch": 10**9}, "last_epoch is 1000000000, and a scheduler of 4 step(s) counts 0 to 4"),
+    ({"_step_count": 0}, "_step_count is 0, and a scheduler of 4 step(s) counts 1 to 5"),
+])
+def test_a_scheduler_that_counted_steps_no_run_of_the_checkpoints_length_takes_does_not_fit(changes, said):
+    # review 50e: last_epoch -5 passed, then the first step after the resume divided by zero (the logs
+    # already cut); 1e9 put the LR at the schedule's floor from the resumed step on, unsaid
+    line = refusal(Loaded(PATH, payload(scheduler={**payload()[SCHEDULER], **changes})), manager().check_fits)
+    assert line.startswith(f"{PATH}: its scheduler state does not fit this run's scheduler: ") and said in line
+    for fits in (0, 4):  # the counts a run of 4 steps can leave (a scheduler held on every skip: 0)
+        manager().check_fits(Loaded(PATH, payload(scheduler={**payload()[SCHEDULER], "last_epoch": fits,
+                                                              "_step_count": fits + 1})))
+
+
+@pytest.mark.parametrize(("entry", "value", "said"), [
+    ("step", torch.tensor(-4.0), "step of parameter 0 is below 0"),
+    ("exp_avg_sq", -1.0, "exp_avg_sq of parameter 0 is below 0"),
+])
+def test_an_optimizer_count_or_mean_of_squares_below_zero_does_not_fit(entry, value, said):
+    # review 50e: an AdamW step of -4 crashed the first step after the resume had cut the logs; an
+    # exp_avg_sq below 0 made every update NaN (the final weights NaN), exit 0
+    trained = parts()
+    model, opt = trained[MODEL].model, trained[OPTIMIZER].optimizer
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    moment = state["state"][0]
+    moment[entry] = value if entry == "step" else torch.full_like(moment[entry], value)
+    line = refusal(Loaded(PATH, payload(optimizer=state)), manager().check_fits)
+    assert line.startswith(f"{PATH}: its optimizer state does not match this run's parameters: ") and said in line
+
+
 # ---------------------------------------------------------------------------- check_fits: parameter groups
 # Optimizer.load_state_dict puts the saved groups' settings in place as they are, and the step
 # reads them: betas [0.9] used to fail in AdamW's step ("not enough values to unpack"), mid-run.
