@@ -844,6 +844,14 @@ class Guard:
         self._zero_grad()
         self._running_stats.forget()  # (a restore loaded the model's statistics: the next forward copies them)
 
+    def _discard_group(self) -> None:
+        """Drop the open group as if its micro-batches had not been taken: its gradients and what
+        it unscaled (:meth:`_abandon_group`), and the running statistics its forwards wrote put
+        back, as a skip puts them back. The run's loop, when the data fails inside a group: the
+        model is then the last closed step's, whole, to checkpoint (review 50a)."""
+        self._running_stats.end_step(skipped=True)
+        self._abandon_group()
+
     def _parameters_changed(self) -> bool:
         """Whether what :meth:`_own` read may be out of date: the optimizers hold another number of
         parameters (``add_param_group``), a module or parameter was registered anywhere since

@@ -28,7 +28,7 @@ from . import checkpointer as ck
 from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
                     check_trainable, fast_path, keep_fp32_modules, precision_of, resolve_device)
-from .checkpoint import checkpoint_step, list_checkpoints, other_data
+from .checkpoint import checkpoint_step, list_checkpoints, other_data, rng_state, set_rng_state
 from .config import Config, plain_data
 from .data import DataStream, check_same_data
 from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised
@@ -140,6 +140,7 @@ class Trainer:
         self.config, self.outputs, self.resume, self.announce = config, outputs, resume, announce
         self.take_back = take_back  # undoes what outputs() made: a stop while opening ended the process
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
+        self._group_rng: Any = None  # the RNG states where the open accumulation group began
         self._slowest = 0.0  # the slowest step so far (s, its agreement in): how long a stuck main thread is given
         self._handoff = threading.Lock()  # who closes the run: the main thread, or the stuck-watcher (_stuck)
         self._taken_over = False  # the stuck-watcher closes this rank and ends the process
@@ -428,6 +429,7 @@ class Trainer:
                 try:
                     record = self.train_step()
                 except BadBatch as bad:  # the steps before it stand: their records, the run card
+                    self._back_to_the_group_start()
                     return Stop(ExitCode.BAD_INPUT, f"bad data at step {self.state.steps + 1}: {bad}", BAD_DATA)
             self._slowest = max(self._slowest, time.monotonic() - began)
             self.throughput.steady()  # the run card's throughput counts from the end of the first step
@@ -508,6 +510,8 @@ class Trainer:
         docs/design.md §2); on the fast path it reads nothing (its record is read back later,
         :class:`~ampguard.records.InFlight`).
         """
+        if self.config.accumulation_steps > 1:  # (the RNGs where the group starts: :meth:`_back_to_the_group_start`)
+            self._group_rng = rng_state()
         while True:
             try:
                 batch = self.data.next(first_step=self.state.steps + 1)
@@ -540,6 +544,19 @@ class Trainer:
                 if evidence is not None:
                     evidence.closed(record)
                 return record
+
+    def _back_to_the_group_start(self) -> None:
+        """The data failed inside an accumulation group: the group is dropped (its gradients, the
+        running statistics its forwards wrote), the data position and the RNGs put back where it
+        started, so the run's final checkpoint is the last closed step's, whole, and a resume
+        from it reads that group again. Review 50a: with ``checkpoint.every: 0`` a failure at a
+        group's second micro-batch ended "intact up to step 4 (no checkpoint)": a save refuses a
+        group half-read, and every trained step was lost."""
+        if not self.state.mid_group:
+            return
+        self.data.seek(self.data.position - self.state.micro_batches)
+        self.state._discard_group()
+        set_rng_state(self._group_rng)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:

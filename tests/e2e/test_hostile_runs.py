@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import warm
 
-from helpers import deadline, one_error_line, only_line
+import torch
+from helpers import deadline, ok, one_error_line, only_line
 
 from ampguard.errors import ExitCode
 
@@ -351,6 +352,53 @@ def test_data_that_fails_mid_run_stops_it_with_exit_2_and_keeps_the_steps_before
         assert [r["step"] for r in csv.DictReader(f)] == ["1", "2", "3", "4", "5"]
     assert "| ended | bad data at step 6: OSError: cannot read shard 5 |" in (run / "RUN.md").read_text(encoding="utf-8")
     assert (run / "checkpoints" / "step-00000005.pt").is_file()
+
+
+FAILING_INSIDE_A_GROUP = '''
+from pathlib import Path
+
+import torch
+from torch import nn
+
+BROKEN = Path(__file__).with_name("broken")  # (the shard to fail at; the data is fixed once it is gone)
+
+
+def build(config):
+    fail_at = int(BROKEN.read_text()) if BROKEN.exists() else None
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        for i in range(200):
+            if i == fail_at:
+                raise OSError(f"cannot read shard {i}")
+            x = torch.randn(4, 4, generator=g) + torch.rand(1).item()  # (drawn from the run's RNG too)
+            yield x, torch.randn(4, 1, generator=g)
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 1))
+    return model, data, nn.functional.mse_loss
+'''
+
+
+def test_data_that_fails_inside_a_group_keeps_the_last_closed_step_and_a_resume_goes_on_as_if_it_never_failed(
+        cli, tmp_path):
+    # review 50a: with accumulation and checkpoint.every 0, a failure at a group's second micro-batch ended
+    # "intact up to step 4 (no checkpoint)": a save refuses a half-read group, and every trained step was lost
+    (tmp_path / "inside.py").write_text(FAILING_INSIDE_A_GROUP, encoding="utf-8")
+    common = ["--set", f"task.factory={tmp_path / 'inside.py'}:build", "--set", "device=cpu", "--set", "precision=fp32",
+              "--set", "accumulation_steps=3", "--set", "log.plot=false"]
+    ok(cli("train", *common, "--set", "steps=8", "--set", "log.name=whole"))
+    (tmp_path / "broken").write_text("13")  # the 2nd micro-batch of step 5
+    line = one_error_line(cli("train", *common, "--set", "steps=8", "--set", "log.name=cut"))
+    assert line == ("ampguard: error: bad data at step 5: OSError: cannot read shard 13; the run is intact up to "
+                    "step 4 (checkpoints/step-00000004.pt: --resume continues from there once the data is fixed)")
+    # the data fixed, the resume reads the group again, with the RNG draws and the BatchNorm statistics it began with
+    (tmp_path / "broken").unlink()
+    ok(cli("train", "--resume", tmp_path / "runs" / "cut"))
+    whole, cut = (tmp_path / "runs" / name / "steps.csv" for name in ("whole", "cut"))
+    assert cut.read_text() == whole.read_text()
+    saved = [torch.load(tmp_path / "runs" / name / "checkpoints" / "step-00000008.pt", weights_only=True)["model"]
+             for name in ("whole", "cut")]
+    assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
 
 
 CRASHING_FACTORY = '''
