@@ -1529,7 +1529,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
 
     from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
     from .checkpoint import load_weights
-    from .faults import FaultInjector, check_steps, parse_fault
+    from .faults import FaultInjector, check_nan_input, check_steps, parse_fault
     from .tasks import build_task
 
     # a saved batch is replayed as it is: it holds the faults of its step already (a rollback's
@@ -1543,8 +1543,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     precision = precision_of(config, device)
     _check_arguments(config, precision, step=step, batch=batch, scale=scale)
     task = build_task(config)
-    if not task.float_inputs and any(f.kind == "nan_input" for f in faults):
-        raise InputError(f"inject: nan_input needs floating-point inputs; task {task.name} feeds integer tokens")
+    check_nan_input(task, faults)
     model = prepare_model(config, task.model.to(device))  # fp8: the Float8Linear layers train runs
     try:
         precision.check(model, device)  # what train refuses (and fp16/fp8 on a CPU: a SlowPrecisionWarning)

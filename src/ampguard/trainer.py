@@ -34,7 +34,7 @@ from .data import DataStream, check_same_data
 from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
-from .faults import FaultInjector, parse_faults
+from .faults import FaultInjector, check_nan_input, parse_faults
 from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks,
                      Stop, TriggerBatches, rollback_reach)
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms, check_headroom_rows
@@ -162,8 +162,7 @@ class Trainer:
             warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
                           "statistics frozen) and trains so: call model.train() in the factory to train it in train "
                           "mode", AmpguardWarning, stacklevel=2)
-        if not self.task.float_inputs and any(f.kind == "nan_input" for f in faults):
-            raise InputError(f"inject: nan_input needs floating-point inputs; task {self.task.name} feeds integer tokens")
+        check_nan_input(self.task, faults)
         if config.log.tensorboard:
             TensorBoardSink.require()
         check_trackers(config)  # log.wandb / log.mlflow: the package is there, the MLflow store opens

@@ -797,7 +797,7 @@ def evaluation_set(task: Task, examples: int) -> dict[str, Any]:
     Example::
 
         >>> from ampguard.tasks.base import Task
-        >>> first = TrainingBatches(torch.ones(8, 2), torch.zeros(8, 1), batches=4)
+        >>> first = TrainingBatches(lambda: (torch.ones(8, 2), torch.zeros(8, 1)), batches=4)
         >>> task = Task("factory", nn.Linear(2, 1), nn.functional.mse_loss, batches=lambda: iter(()), held_out=first)
         >>> info = evaluation_set(task, 8)
         >>> info["source"], info["batches"], info["examples"]

@@ -145,7 +145,8 @@ def test_locate_a_batch_that_fits_still_shows_the_losss_warning(cli, tmp_path):
 def test_locate_nan_input_on_integer_tokens_is_refused_as_train_does(cli, unchanged):
     check = unchanged()
     line = refused(cli("locate", *TINY_CHARLM, "--inject", "nan_input@1"))
-    assert line == "ampguard: error: inject: nan_input needs floating-point inputs; task charlm feeds integer tokens"
+    assert line == ("ampguard: error: inject: nan_input needs a floating-point input tensor; the inputs of task charlm "
+                    "hold none")
     check()
     # train says the same
     assert refused(cli("train", *TINY_CHARLM, "--set", "steps=1", "--inject", "nan_input@1")) == line
