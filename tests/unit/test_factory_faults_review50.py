@@ -13,7 +13,6 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
 
 from ampguard.config import validate
 from ampguard.faults import FaultInjector, parse_fault
@@ -21,7 +20,6 @@ from ampguard.tasks import build_task
 
 FACTORIES = '''
 import torch
-from torch import nn
 
 READS = []  # (each read of the data from its start)
 
