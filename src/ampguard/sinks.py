@@ -446,8 +446,10 @@ def csv_row(record: StepRecord, extra: Mapping[str, float | str | None] | None =
 
 
 def check_step_after(who: str, step: int, last: int | None, why: str) -> None:
-    """A ``ValueError`` naming ``who`` unless ``step`` comes after ``last`` (None: nothing written
-    yet): docs/design.md §3, no duplicate steps, for the CSV and the tracker sinks alike.
+    """A ``ValueError`` naming ``who`` unless ``step`` is a whole number >= 1 (steps count from 1:
+    a loop counting from 0 wrote a row every reader of the file then refused, review 50b) and
+    comes after ``last`` (None: nothing written yet): docs/design.md §3, no duplicate steps, for
+    the CSV, JSON lines, TensorBoard and tracker sinks alike.
 
     Example::
 
@@ -456,7 +458,13 @@ def check_step_after(who: str, step: int, last: int | None, why: str) -> None:
         Traceback (most recent call last):
         ...
         ValueError: CsvSink x.csv: step 2 after step 2: each row's step must follow the one before
+        >>> check_step_after("CsvSink x.csv", 0, None, "")
+        Traceback (most recent call last):
+        ...
+        ValueError: CsvSink x.csv: step 0 is not a whole number >= 1 (a record's step counts from 1)
     """
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"{who}: step {step!r} is not a whole number >= 1 (a record's step counts from 1)")
     if last is not None and step <= last:
         raise ValueError(f"{who}: step {step} after step {last}: {why}")
 
@@ -1060,9 +1068,11 @@ def _whole(line: bytes) -> bytes:
     return line if line.endswith(b"\n") else line + b"\n"
 
 
-def _last_step(path: Path, tail: int = 1 << 16) -> int | None:
+def _last_step(path: Path, tail: int = 1 << 16, records: bool = False) -> int | None:
     """The step of the last whole row of a per-step CSV (read from its last ``tail`` bytes), None
-    when it holds none (or its last line's step does not read: the file's own checks say why).
+    when it holds none (or its last line's step does not read: the file's own checks say why);
+    ``records``: of the last step record of a JSON lines step log (lines that are none, events
+    of yours, passed over).
 
     Example::
 
@@ -1071,6 +1081,9 @@ def _last_step(path: Path, tail: int = 1 << 16) -> int | None:
         >>> _ = path.write_text("step,lr\\n1,0.1\\n12,0.1\\n13,0.")  # (a torn last line: not a row)
         >>> _last_step(path), _last_step(path.with_name("none.csv"))
         (12, None)
+        >>> _ = path.write_text('{"step": 4}\\n{"event": "mine"}\\n{"step": 5, "lo')
+        >>> _last_step(path, records=True)
+        4
     """
     try:
         with path.open("rb") as f:
@@ -1080,6 +1093,10 @@ def _last_step(path: Path, tail: int = 1 << 16) -> int | None:
         return None
     for line in reversed(lines):
         if not line.strip():  # (a blank line at the end: no row, as the reader takes it)
+            continue
+        if records:
+            if (step := _record_step(line)) is not None:
+                return step
             continue
         first = line.split(b",", 1)[0]
         return int(first) if first.isdigit() else None
@@ -1190,11 +1207,18 @@ class JsonlSink(_LineFile):
         if self._existing(append, keep_through):
             self._cut_for_append(keep_through)
         self._file: IO[bytes] | None = _open_for_append(self.path)
+        self._last = _last_step(self.path, records=True) if append else None  # each record's step after the one before
 
     def _truncate_after(self, step: int, purpose: str = RESUME) -> None:
         """Drop the lines after ``step`` (written after the checkpoint a run resumes from),
         atomically, so the resumed run appends without duplicate steps (:meth:`cut_after`)."""
         self.cut_after(self.path, step, purpose)
+
+    def begin_again(self, step: int) -> str | None:
+        try:
+            return super().begin_again(step)
+        finally:  # (cut or not: the records go on after the last one the file holds)
+            self._last = _last_step(self.path, records=True)
 
     @classmethod
     def cut_after(cls, path: Path, step: int, purpose: str = RESUME) -> None:
@@ -1230,8 +1254,10 @@ class JsonlSink(_LineFile):
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         if record is None:
             raise TypeError(NONE_WRITTEN)
+        check_step_after(f"JsonlSink {self.path}", record.step, self._last,  # (review 50b: 5, 5, 2 went in)
+                         "each record's step must follow the one before (a second loop? give it a sink of its own)")
         self.write_event({
-            "step": record.step,
+            "step": int(record.step),  # (a numpy integer: JSON has no such type)
             **record.values(),
             "skipped": record.skipped,
             "skip_reason": record.reason,
@@ -1240,6 +1266,7 @@ class JsonlSink(_LineFile):
                if record.optimizers else {}),
             **(extra or {}),
         })
+        self._last = record.step
 
     def write_event(self, obj: Mapping[str, object]) -> None:
         """Write ``obj`` as one JSON line (non-finite floats as strings) and flush it

@@ -89,6 +89,9 @@ def _named_optimizers(optimizer: Optimizers) -> dict[str, torch.optim.Optimizer]
     if not named:
         raise ValueError("no optimizer given")
     for name, opt in named.items():
+        if not name or not name.isprintable() or ";" in name:  # (review 50b: a line break split a CSV row in two)
+            raise ValueError(f"optimizer name {name!r} cannot name a record's cells: a name is printable, not empty, "
+                             "and has no ';' (the CSV's skipped_optimizers cell joins the names with it)")
         if not hasattr(opt, "param_groups"):
             raise ValueError(f"optimizer {name!r} is a {type(opt).__name__}, not an optimizer (no param_groups)")
         if _needs_closure(opt):  # (LBFGS: a TypeError from inside the first applied step, after it was counted)
