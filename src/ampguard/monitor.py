@@ -1255,9 +1255,12 @@ class RunMonitor:
             self._floor_reached = (step, ran_with) if ran_with is not None and ran_with > self.health._floor else None
         if self.failed is None:
             if self.above_fail >= self.fail_after:
+                # (the count, not fail_after: an fp16 opening search that reached the floor counts its steps at
+                # once, and "for 5 consecutive steps" undercounted ten above the rate, review 50c)
+                past = f", past fail_after {self.fail_after}" if self.above_fail > self.fail_after else ""
                 self.failed = Event(step, "fail", (
-                    f"rolling skip rate above fail_rate {self.fail_rate:g} for {self.fail_after} consecutive steps "
-                    f"(now {rate:.3f} {over})"), {"skip_rate": rate, "window": self.window}, cause=FAIL_SKIP_RATE)
+                    f"rolling skip rate above fail_rate {self.fail_rate:g} for {self.above_fail} consecutive steps"
+                    f"{past} (now {rate:.3f} {over})"), {"skip_rate": rate, "window": self.window}, cause=FAIL_SKIP_RATE)
             elif self.fail_on_scale_collapse and self.at_floor_skipped >= self.fail_after:
                 self.failed = Event(step, "fail", (
                     f"loss scale at its floor scaler.min_scale {self.min_scale:g} with every step skipped "

@@ -1068,6 +1068,18 @@ def test_monitor_fail_fast_on_a_run_that_skips_every_step(scaler):
     assert fails == [16 if scaler else 3]
 
 
+@pytest.mark.parametrize("scaler", [True, False])
+def test_the_fail_says_how_many_consecutive_steps_were_above_the_rate_not_fail_after(scaler):
+    # review 50c: an fp16 opening that reached the floor at step 16 counts its steps at once; the FAIL
+    # said "for 3 consecutive steps" while all 16 were above the rate
+    m = RunMonitor(fail_rate=0.05, fail_after=3, scaler_enabled=scaler)
+    fails = [e.message for s in range(1, 31) for e in m.observe(skip_record(s, scale=max(2.0 ** (16 - s), 1.0)))
+             if e.kind == "fail"]
+    assert [f.split(" (now")[0] for f in fails] == [
+        "rolling skip rate above fail_rate 0.05 for 16 consecutive steps, past fail_after 3" if scaler else
+        "rolling skip rate above fail_rate 0.05 for 3 consecutive steps"]
+
+
 def test_monitor_non_finite_losses_are_no_scaler_search():
     # the loss is checked before it is scaled: NaN losses from step 1 are counted whole, fp16 or not
     m = RunMonitor(fail_rate=0.05, fail_after=3)
