@@ -433,8 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.required = True
 
     fault_help = (
-        "inject a fault, KIND@WHEN (repeatable): KIND is inf_grad, nan_grad, nan_loss, spike (targets x 1e8; "
-        "the loss x 1e8 for integer targets) or nan_input; WHEN is 5, 5,9,12, every:10 or rate:0.05; 'none' injects nothing (not even the config's)"
+        "inject a fault, KIND@WHEN (repeatable): KIND is inf_grad, nan_grad, nan_loss, spike (floating-point "
+        "targets x 1e8; the loss x 1e8 for any other targets) or nan_input; WHEN is 5, 5,9,12, every:10 or rate:0.05; 'none' injects nothing (not even the config's)"
     )
 
     demo = verbs.add_parser(

@@ -388,7 +388,7 @@ def _with_nan(inputs: Any) -> Any:
     if first is None:
         raise ValueError("nan_input needs a floating-point input tensor")
     leaves[first] = leaves[first].clone()
-    leaves[first].view(-1)[0] = float("nan")
+    leaves[first][(0,) * leaves[first].dim()] = float("nan")  # (by index: a channels_last copy has no view(-1), review 50h)
     return tree_unflatten(leaves, spec)
 
 

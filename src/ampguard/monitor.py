@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .clipping import clip_threshold
 from .errors import brief, counted, real_number, whole_number
 from .precision import MAX_SCALE, finite_number, round_float32
 from .records import StepRecord
@@ -970,7 +971,8 @@ class RunMonitor:
         self.min_judged_rate = 1.0
         self._fail_rate: float | None = None if fail_rate is None else (0.0 if fail_rate == 0 else fail_rate)
         self.fail_after = fail_after
-        self.max_norm = max_norm if max_norm and max_norm > 0 else None
+        self.max_norm = clip_threshold(max_norm)  # (a one-element tensor read as a number: review 50h, a
+        # tensor clip count was saved and the plugin's own resume refused it)
         self.scaler_enabled = scaler_enabled
         self.min_scale = min_scale
         self.fail_on_scale_collapse = fail_on_scale_collapse

@@ -20,6 +20,7 @@ from ampguard.tasks import build_task
 
 FACTORIES = '''
 import torch
+from torch import nn
 
 READS = []  # (each read of the data from its start)
 
@@ -152,3 +153,14 @@ def test_the_default_evaluation_set_is_read_when_asked_not_held_through_the_run(
     rng = torch.get_rng_state()
     task.held_out()
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_nan_input_corrupts_a_non_contiguous_input_too():
+    # review 50h: clone().view(-1) failed on a channels_last batch: "bad data" in train, a traceback in locate
+    from ampguard.faults import _with_nan
+
+    images = torch.rand(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    for inputs in (images, images[:, :, ::2], torch.tensor(1.5)):
+        out = _with_nan(inputs)
+        assert out.isnan().sum().item() == 1 and math.isnan(out.reshape(-1)[0].item())
+        assert not inputs.isnan().any()  # (a copy: the batch itself untouched)

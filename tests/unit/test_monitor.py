@@ -15,6 +15,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from helpers import HAS_TENSORBOARD, reference_episodes, reference_fail_step, reference_rates, strict_json
 
@@ -1078,6 +1079,19 @@ def test_the_fail_says_how_many_consecutive_steps_were_above_the_rate_not_fail_a
     assert [f.split(" (now")[0] for f in fails] == [
         "rolling skip rate above fail_rate 0.05 for 16 consecutive steps, past fail_after 3" if scaler else
         "rolling skip rate above fail_rate 0.05 for 3 consecutive steps"]
+
+
+@pytest.mark.parametrize("max_norm", [torch.tensor(1.0), torch.tensor([1.0])])
+def test_a_tensor_max_norm_counts_clips_as_the_number_it_holds(max_norm):
+    # review 50h: the Lightning plugin hands its max_norm to the monitor as given; a tensor made the clip
+    # count a tensor, saved in the checkpoint, which the plugin's own resume then refused
+    m = RunMonitor(max_norm=max_norm, scaler_enabled=False)
+    for s in range(1, 4):
+        m.observe(StepLog(s, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0 if s != 2 else 0.5, grad_l2_post_clip=0.5,
+                          scaler_scale=None))
+    assert m.max_norm == 1.0 and type(m.clipped) is int and m.clipped == 2
+    assert not [k for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)]
+    RunMonitor(max_norm=1.0, scaler_enabled=False).load_state_dict(m.state_dict())
 
 
 def test_monitor_non_finite_losses_are_no_scaler_search():
