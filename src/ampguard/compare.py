@@ -29,9 +29,10 @@ from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, panel_title, plot_metadata,
-                     policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
-                     rolling_skip_rate, shown, threshold_by_step, threshold_line, threshold_text, whole_steps)
+from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, judged_at_end, panel_title,
+                     plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
+                     rolling_skip_rate, segment_ends, shown, threshold_by_step, threshold_line, threshold_text,
+                     whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
 from .sinks import Row, read_steps_and_columns
@@ -114,7 +115,7 @@ def load_run(path: str | Path) -> RunSummary:
     policy, rollbacks = policy_changes_of(folder), rollbacks_of(folder)
     held = read_held_out(folder / "steps.csv", rows, extra)  # (once: the replay's metrics and the notes')
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks, metrics=held.metrics, finished=ended.startswith("finished: "))
+                     rollbacks=rollbacks, metrics=held.metrics, finished=judged_at_end(ended), ends=segment_ends(folder))
     notes = reading_notes(folder / "steps.csv", rows, torn, folder, extra, config, policy, held=held)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)
 
@@ -395,19 +396,19 @@ def run(paths: Sequence[str | Path], *, out: str | Path | None = None) -> ExitCo
         ...     _ = (root / name / "steps.csv").write_text(",".join(CSV_COLUMNS) + f"\\n1,0.1,{cells}\\n")
         ...     _ = (root / name / "events.jsonl").write_text("")
         >>> run([root / "a", root / "b"])
-        |                       | a                   | b                      |
-        |-----------------------|---------------------|------------------------|
-        | ended                 | finished: 1 step    | finished: 1 step       |
-        | task                  | charlm              | charlm                 |
-        | precision             | fp16                | fp16                   |
-        | processes             | -                   | -                      |
-        | max_norm              | 1                   | 1                      |
-        | steps / updates       | 1 / 1               | 1 / 0                  |
-        | skips                 | 0 (none)            | 1 (non_finite_grad=1)  |
-        | max rolling skip rate | 0.0000              | 1.0000 (judged 0.0000) |
-        | clip rate             | 1.000               | 0.000                  |
-        | scale health          | stable (final 1024) | warming (final 512)    |
-        | loss final / best     | 0.5 / 0.5           | - / -                  |
+        |                       | a                   | b                     |
+        |-----------------------|---------------------|-----------------------|
+        | ended                 | finished: 1 step    | finished: 1 step      |
+        | task                  | charlm              | charlm                |
+        | precision             | fp16                | fp16                  |
+        | processes             | -                   | -                     |
+        | max_norm              | 1                   | 1                     |
+        | steps / updates       | 1 / 1               | 1 / 0                 |
+        | skips                 | 0 (none)            | 1 (non_finite_grad=1) |
+        | max rolling skip rate | 0.0000              | 1.0000                |
+        | clip rate             | 1.000               | 0.000                 |
+        | scale health          | stable (final 1024) | warming (final 512)   |
+        | loss final / best     | 0.5 / 0.5           | - / -                 |
         <ExitCode.OK: 0>
         >>> shutil.rmtree(root)
     """

@@ -1322,6 +1322,8 @@ class RunMonitor:
         if judged <= 0:
             return events
         rate = skipped / judged
+        if unsettled:  # (nothing set aside after all: the rate judged is the whole run's; review 50k, the card
+            self.max_skip_rate = max(self.max_skip_rate, rate)  # said "0.0000 as the guard judged it" beside its FAIL)
         data = {"skip_rate": rate, "window": self.window}
         never = ""
         if unsettled and self.in_opening:

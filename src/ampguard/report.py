@@ -665,13 +665,40 @@ def finished(card: Path) -> bool:
     except OSError:
         ended = "unknown"
     if ended != "unknown":
-        return ended.startswith("finished: ")
+        return judged_at_end(ended)
     ends = _events_kept(card.parent, lambda event: event.get("event") == "run_end")
-    return bool(ends) and str(ends[-1].get("message", "")).startswith("finished: ")
+    return bool(ends) and judged_at_end(str(ends[-1].get("message", "")))
+
+
+def judged_at_end(ended: str) -> bool:
+    """Whether a run that ended so (its card's or its ``run_end``'s words) had its steps judged
+    whole at its last (:meth:`~ampguard.monitor.RunMonitor.at_end`): it trained to the end, or a
+    guard stopped it there for what that judgement found (review 50k: such a run's ALERT was on
+    its card and lost in report's count).
+
+    Example::
+
+        >>> judged_at_end("finished: 20 steps"), judged_at_end("stopped by the guard at the end of the run (step 20): ...")
+        (True, True)
+        >>> judged_at_end("interrupted (SIGINT) after step 7")
+        False
+    """
+    return ended.startswith("finished: ") or ended.startswith(("stopped by the guard at the end of the run (step ",
+                                                                "stopped by a guard at the end of the run (step "))
+
+
+def segment_ends(run_dir: Path) -> list[int]:
+    """The steps where a resumed run's earlier part ended judged whole (:func:`judged_at_end`,
+    its ``run_end`` at the step a resume went on from): the run's monitor judged it there, and
+    the resumed part carried that judgement on (review 50k: its end-of-run ALERT was on the card,
+    lost in report's replay). The run's own last end is :func:`finished`'s."""
+    ends = _events_kept(run_dir, lambda event: event.get("event") == "run_end" and
+                        judged_at_end(str(event.get("message", ""))), at_resume=True)
+    return sorted({event["step"] for event in ends})
 
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequence[dict[str, Any]] = (),
-           rollbacks: Sequence[dict[str, Any]] = (), finished: bool = False,
+           rollbacks: Sequence[dict[str, Any]] = (), finished: bool = False, ends: Sequence[int] = (),
            metrics: Sequence[dict[str, float]] | None = None, **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
     the same statistics the live run kept. ``metrics``: each row's held-out metrics (empty where
@@ -683,7 +710,8 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
     ``finished`` (a run that trained to the end: :func:`finished`): its rows are judged whole at
     the last, as the run was (:meth:`~ampguard.monitor.RunMonitor.at_end`); rows a torn last line
     or a hand left out are not in that judgement (the reading notes say they are missing; before,
-    such a run lost its end's ALERT in report and compare, while its card counted it).
+    such a run lost its end's ALERT in report and compare, while its card counted it). ``ends``
+    (:func:`segment_ends`): the steps where an earlier part of a resumed run was so judged.
 
     Example (``monitor_args`` are :class:`RunMonitor`'s; max_norm 1, then 4 from step 3)::
 
@@ -707,6 +735,8 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
             monitor.observe_eval(metrics[i])
         for rollback in (r for r in rollbacks if r["step"] == row.step):  # (as guards.Rollbacks.apply did)
             monitor.rolled_back(max(0, monitor.updates - rollback["updates_undone"]), kept.get(_checkpoint_step(rollback)))
+        if row.step in ends and row is not rows[-1]:  # (an earlier part's end: the run judged it there)
+            monitor.at_end(row.step)
         if row.step in targets:  # (a checkpoint is saved after its step's records and rollbacks)
             kept[row.step] = monitor.state_dict()
     if rows and finished:
@@ -1656,7 +1686,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         metrics = [{k: v for k, v in m.items() if k not in every} for m in metrics]  # held-out metric is sparse)
     monitor = replay(judged_rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
-                     finished=finished(folder.card), metrics=metrics)
+                     finished=finished(folder.card), metrics=metrics,
+                     ends=segment_ends(csv_path.parent) if config_path.is_file() else ())
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     mon = judged.monitor
