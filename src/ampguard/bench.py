@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from torch.nn import functional as F
 from .errors import counted, failed_because, first_line, shortened
 from .precision import Precision, backend_text
 from .records import LAG, InFlight
+from .signals import lost_stdout
 from .sinks import CsvSink, Sink
 from .step import AmpTrainState
 from .watch import compiled_inside
@@ -2221,7 +2221,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                           "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
                 written = True
         except Interrupted:  # (the hold's, once the output is whole: a signal came while it was written)
-            if not (written and (interrupted or _lost_stdout() is not None)):
+            if not (written and (interrupted or lost_stdout() is not None)):
                 raise
         return output_written(as_json, int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
                               if interrupted else 0)
@@ -2242,20 +2242,13 @@ def output_written(as_json: bool, code: int) -> int:
     """
     from .errors import ExitCode
 
-    lost = _lost_stdout()
+    lost = lost_stdout()
     if lost is None:
         return code
     what = "the --json result" if as_json else "the table"
     print(f"ampguard: error: bench: {what} could not be written to stdout ({failed_because(lost)})",
           file=sys.stderr, flush=True)
     return int(ExitCode.DISK_FULL)
-
-
-def _lost_stdout() -> OSError | None:
-    """Why stdout could not take what was written to it (the console's guard dropped it: its
-    ``gone``), or None; a reader that left (EPIPE) is not a loss here (:func:`output_written`)."""
-    lost = getattr(sys.stdout, "gone", None)
-    return None if lost is None or lost.errno == errno.EPIPE else lost
 
 
 def _load() -> tuple[float, float, float] | None:

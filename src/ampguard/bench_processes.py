@@ -28,10 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import (CONFIDENCE, INTERVAL, Bare, _lost_stdout, _reach, interrupted_by, json_number, median_interval,
-                    output_written)
+from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, median_interval, output_written
 from .errors import counted
-from .signals import Interrupted, held_signals
+from .signals import Interrupted, held_signals, lost_stdout
 
 MIN_PROCESSES_FOR_INTERVAL = 6
 """The fewest processes with a 95% interval of their median (:func:`~ampguard.bench.median_interval`)."""
@@ -331,7 +330,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
                       flush=True)
     except Interrupted:  # (the hold's: a signal came while the output was written, which is whole; the code
         # found before it stands: an interrupt's in the processes, a failed process's, a lost stdout's 74)
-        if stopped is None and _lost_stdout() is None:
+        if stopped is None and lost_stdout() is None:
             raise
     return output_written(as_json, code)
 

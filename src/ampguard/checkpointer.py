@@ -1653,6 +1653,22 @@ def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:
     return changes
 
 
+def check_left_to_train(resume: Resume, config: Config, changes: list[dict[str, Any]] | None = None) -> None:
+    """Refuse a resume of a run that has trained all its steps with a new setting besides
+    ``steps``: it would apply to no step, yet the card would describe the run as trained under
+    it. ``steps`` may end the run here, and ``inject``, when that ends it sooner, drop the faults
+    the end leaves unfired, as their refusal asks. ``changes``: :func:`policy_changes`, if made."""
+    if resume.loaded.step < config.steps:
+        return
+    changes = policy_changes(resume, config) if changes is None else changes
+    shorter = config.steps < int(resume.saved_config.get("steps") or 0)
+    idle = [c["key"] for c in changes if c["key"] != "steps" and not (c["key"] == "inject" and shorter)]
+    if idle:
+        raise InputError(f"train --resume: the run has trained all its steps ({resume.loaded.step} of "
+                         f"steps={config.steps}): {', '.join(idle)} would apply to no step; raise steps to "
+                         "train on under the new settings, or leave them out to rewrite the run card")
+
+
 _OPTIMIZER_KEYS = ("weight_decay", "betas", "eps", "momentum")
 _SCALER_KEYS = {"init_scale": "scale", "growth_factor": "growth_factor", "backoff_factor": "backoff_factor",
                 "growth_interval": "growth_interval", "min_scale": "min_scale"}

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import (
-    MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, has_control,
-    interrupt_in, plain_digits, shortened,
+    MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, failed_because,
+    has_control, interrupt_in, one_line, plain_digits, shortened, shown,
 )
 
 
@@ -232,6 +232,10 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.resume and args.config:
         raise InputError("train: --resume takes the run's config from its config.yaml; change it with --set, not CONFIG")
+    if args.spike:  # (DESIGN §4: --spike is --inject spike@5, in train as in the demo)
+        if "none" in (args.inject or []):
+            raise InputError("train: --spike injects spike@5, --inject none nothing: give one of them")
+        args.inject = [*(args.inject or []), "spike@5"]
     resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
     base = None if resume is None else _resumed_base(resume)
@@ -241,9 +245,28 @@ def _train(args: argparse.Namespace) -> int:
         _check_resumed(config, resume, base)
     _check_fail_after(args, config)
     if args.print_config:
+        _refused_before_the_run(config, resume)  # (a config train would refuse is none to print: review 50j)
         print(dump_config(config), end="")
         return ExitCode.OK
     return train.train(config, resume)
+
+
+def _refused_before_the_run(config: Any, resume: Any) -> None:
+    """What ``train`` refuses from the config and the checkpoint alone, before it builds anything
+    (the task, the model): the resume's checks, the faults, a run folder that exists. So
+    ``--print-config`` never prints, exit 0, a config the same command line would refuse, exit 2."""
+    from . import distributed
+    from . import checkpointer as ck
+    from .faults import parse_faults
+    from .run_folder import taken
+
+    world = distributed.launched_world_size()
+    if resume is not None:
+        ck.check_resume(resume, config, world)
+        ck.check_left_to_train(resume, config)
+    elif config.log.name and (Path(config.log.dir) / config.log.name).exists():
+        raise taken(Path(config.log.dir) / config.log.name)
+    parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=world)
 
 
 def _resumed_base(resume: Any) -> dict[str, Any]:
@@ -466,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arguments(train, example="optimizer.lr=1e-3")
     train.add_argument("--inject", action="append", type=_fault, metavar="KIND@WHEN", help=fault_help)
+    train.add_argument("--spike", action="store_true", help="a real loss spike at step 5: --inject spike@5")
     train.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     train.add_argument("--resume", type=_path, metavar="RUN_DIR|CHECKPOINT",
                        help="continue a run from its latest loadable checkpoint (or the one named), in its run folder")
@@ -703,6 +727,14 @@ def entry() -> int:
     return code
 
 
+def _result_on_stdout(args: argparse.Namespace) -> bool:
+    """Whether what the verb writes on stdout is its result (a report, a table, a finding, a
+    config), so that losing it (``> /dev/full``) fails the command, exit 74, instead of the
+    console's "the run goes on" (review 50j: report and --print-config exited 0 with nothing
+    written). A run's lines (train, demo) are its console: the run folder is the record."""
+    return args.func in (_report, _compare, _locate, _bench) or (args.func is _train and args.print_config)
+
+
 def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
     """Run ``ampguard ARGV`` and return its exit code (:class:`ExitCode`): bad input is one line
     ``ampguard: error: ...`` on stderr and 2, Ctrl-C is 130, SIGTERM 143; anything else is a bug
@@ -725,7 +757,7 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
         ended: finished: 2 steps
         0
     """
-    from .signals import Interrupted, held_signals, terminated_as_interrupted, tolerant_console
+    from .signals import Interrupted, held_signals, lost_stdout, terminated_as_interrupted, tolerant_console
 
     if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
@@ -740,12 +772,18 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
             with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
                 # (the CPU demo is fp16 on purpose: quiet)
                 held = _slow_precision_in_one_line(quiet=args.func is _demo, console=console)
+                console.result = _result_on_stdout(args)
                 with terminated_as_interrupted(settle=settle):
                     code = int(args.func(args))
             held.release()
+            if console.result and args.func is not _bench and (lost := lost_stdout()) is not None:
+                # (its output is the command's result: lost, the command failed; bench says so itself)
+                print(f"ampguard: error: {args.verb}: its output could not be written to stdout "
+                      f"({failed_because(lost)})", file=sys.stderr)
+                return ExitCode.DISK_FULL
             return code
         except InputError as err:  # (a warning held back stays so: the refusal is the one line)
-            print(f"ampguard: error: {err}", file=sys.stderr)
+            print(f"ampguard: error: {one_line(str(err))}", file=sys.stderr)
             return ExitCode.BAD_INPUT
         except Interrupted as err:
             held.release()  # (a Ctrl-C because fp16 on a CPU is slow: the line says why it was)
@@ -766,7 +804,7 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
             if err.errno != errno.ENAMETOOLONG:
                 raise
             # a path the user gave has a part over the file system's limit (255 bytes): bad input
-            print(f"ampguard: error: file name too long: {err.filename!r}", file=sys.stderr)
+            print(f"ampguard: error: file name too long: {shown(err.filename or '')}", file=sys.stderr)
             return ExitCode.BAD_INPUT
 
 

@@ -265,6 +265,26 @@ _EMOJI_TAGS = re.compile("\U0001f3f4[\U000e0061-\U000e007a]{2}[\U000e0061-\U000e
 (``gbeng``: the flag of England), the cancel tag; any other tag text would hide a name."""
 
 
+MAX_MESSAGE = 2000
+"""The most characters a refusal's line shows (a 100 KB argument made a 100 KB line: review 50j)."""
+
+
+def one_line(message: str) -> str:
+    r"""A refusal's message as one line: each character :func:`has_control` names (a newline from
+    a path or a value the user gave) as its escape, the whole cut to :data:`MAX_MESSAGE`
+    characters (:func:`shortened`). The command line's last guard of "one line"; each refusal
+    shows what it quotes with :func:`shown` first.
+
+    Example::
+
+        >>> one_line("config a\nb.yaml: not found"), len(one_line("x" * 10**5))
+        ('config a\\nb.yaml: not found', 2000)
+    """
+    if has_control(message):
+        message = "".join(c.encode("unicode_escape").decode("ascii") if has_control(c) else c for c in message)
+    return shortened(message, MAX_MESSAGE)
+
+
 def has_control(text: str) -> bool:
     """Whether ``text`` holds a control character (Unicode's Cc: C0, DEL and C1, a NUL, a tab, a
     newline, NEL), a line or paragraph separator, or a format character that hides what the text

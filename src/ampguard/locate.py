@@ -1453,7 +1453,7 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
         >>> config = validate({"task": {"name": "linear"}, "device": "cpu", "precision": "bf16",
         ...                    "inject": ["nan_input@2"], "steps": 5})
         >>> run(config, step=1)
-        locate: step 1 of task linear (seed 0), bf16 on cpu, loss scale 1
+        locate: step 1 of task linear (seed 0) (nan_input@2 not: it fires at other steps; --step N replays step N), bf16 on cpu, loss scale 1
         no non-finite value in forward, loss or backward under bf16 (loss 1.582)
         0
         >>> run(config, step=2)
@@ -1590,8 +1590,10 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
 
 
 def _injected_at(faults: list[Any], step: int) -> str:
-    """What the header adds for the config's faults that fire at ``step``: the replay injects them
-    as the run did (a finding there is the fault's), except another rank's (one process replays).
+    """What the header adds for the config's faults: those that fire at ``step``, which the replay
+    injects as the run did (a finding there is the fault's), except another rank's (one process
+    replays); and those that fire at other steps only, named too (review 50j: ``--inject
+    nan_input@3`` replayed at step 1 came out clean with no word of the fault).
 
     Example::
 
@@ -1599,13 +1601,17 @@ def _injected_at(faults: list[Any], step: int) -> str:
         >>> faults = [parse_fault(s) for s in ("nan_input@2", "spike@every:2@rank1", "nan_loss@3")]
         >>> for step in (1, 2, 3):
         ...     print(f"step {step}{_injected_at(faults, step)}")
-        step 1
-        step 2 with nan_input@2 injected (spike@every:2@rank1 not: another rank's)
-        step 3 with nan_loss@3 injected
+        step 1 (nan_input@2, spike@every:2@rank1, nan_loss@3 not: they fire at other steps; --step N replays step N)
+        step 2 with nan_input@2 injected (spike@every:2@rank1 not: another rank's; nan_loss@3 not: it fires at other steps)
+        step 3 with nan_loss@3 injected (nan_input@2, spike@every:2@rank1 not: they fire at other steps)
     """
     here, other = _faults_at(faults, step)
+    elsewhere = [f.spec() for f in faults if not f.hits(step)]
+    notes = ([f"{', '.join(other)} not: another rank's"] if other else []) + (
+        [f"{', '.join(elsewhere)} not: {'they fire' if len(elsewhere) > 1 else 'it fires'} at other steps"
+         + ("" if here or other else "; --step N replays step N")] if elsewhere else [])
     said = f" with {', '.join(here)} injected" if here else ""
-    return said + (f" ({', '.join(other)} not: another rank's)" if other else "")
+    return said + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _faults_at(faults: list[Any], step: int) -> tuple[list[str], list[str]]:

@@ -44,6 +44,11 @@ LOCK_FILE = ".ampguard.lock"
 lets go of it when that process ends, however it ends."""
 
 
+def taken(run_dir: Path) -> InputError:
+    """The refusal of a new run in a folder that exists (a run's folder is its own)."""
+    return InputError(f"run folder {run_dir} already exists; choose another log.name")
+
+
 @dataclass
 class RunPaths:
     """What a run writes. A demo has only (maybe) a CSV; a train run has a folder with all of it.
@@ -135,7 +140,7 @@ class RunPaths:
             names = itertools.chain([stamp], (f"{stamp}-{n}" for n in itertools.count(2)))
         run_dir = Path(config.log.dir) / next(names)
         if config.log.name and run_dir.exists():
-            raise InputError(f"run folder {run_dir} already exists; choose another log.name")
+            raise taken(run_dir)
         created: list[Path] = []
         try:
             make_parents(run_dir, created)
@@ -162,7 +167,7 @@ class RunPaths:
         except (OSError, ValueError, DiskFull) as err:  # (replace_atomically names a full disk DiskFull)
             _remove_created(created, run_dir)
             if isinstance(err, FileExistsError) and run_dir not in created and run_dir.exists():  # a race
-                raise InputError(f"run folder {run_dir} already exists; choose another log.name") from None
+                raise taken(run_dir) from None
             err = err.error if isinstance(err, DiskFull) else err
             why = failed_because(err)
             raise InputError(f"cannot create run folder {run_dir}: {why}") from None

@@ -709,6 +709,9 @@ class TolerantStream:
         if stream is None:  # (started with the descriptor closed, `>&-`: Python made it None; its lines go nowhere)
             stream, self.gone = io.StringIO(), OSError(errno.EBADF, f"{name} is closed")  # (never written: gone)
         self._stream, self._name = stream, name
+        self.result = False
+        """Its lines are the command's result (a report, a table, ``--print-config``): a loss is
+        not "the run goes on" but the command's failure, which the command line says (exit 74)."""
         self.before_write: Callable[[], None] | None = None
         """Called once, before the first line is written (what the command line holds back until
         the verb says anything: a warning that a refusal would make a second line)."""
@@ -739,12 +742,28 @@ class TolerantStream:
             os.close(null)
         if err.errno == errno.EPIPE:
             reader_left()
-        elif self._name != "stderr":
+        elif self._name != "stderr" and not self.result:
             print(f"ampguard: warning: {self._name}: {failed_because(err)}; its lines are dropped, the run goes on",
                   file=sys.stderr)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def lost_stdout() -> OSError | None:
+    """Why stdout could not take what was written to it (the console's guard dropped it:
+    :attr:`TolerantStream.gone`), or None; a reader that left (EPIPE) is no loss here: it asked
+    for no more (``| head``).
+
+    Example::
+
+        >>> with contextlib.redirect_stdout(TolerantStream(None, "stdout")):
+        ...     lost = lost_stdout()
+        >>> lost.strerror, lost_stdout()
+        ('stdout is closed', None)
+    """
+    lost = getattr(sys.stdout, "gone", None)
+    return None if lost is None or lost.errno == errno.EPIPE else lost
 
 
 def _console_errors(err: UnicodeError) -> tuple[str | bytes, int]:

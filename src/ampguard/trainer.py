@@ -228,15 +228,8 @@ class Trainer:
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
-        if resume is not None and resume.loaded.step >= config.steps:  # (nothing left to train: a new setting would
-            # apply to no step, yet the card would describe the run as trained under it; steps may end the run here,
-            # and inject, when it does so sooner, drop the faults the end leaves unfired, as their refusal asks)
-            shorter = config.steps < int(resume.saved_config.get("steps") or 0)
-            idle = [c["key"] for c in self.policy_new if c["key"] != "steps" and not (c["key"] == "inject" and shorter)]
-            if idle:
-                raise InputError(f"train --resume: the run has trained all its steps ({resume.loaded.step} of "
-                                 f"steps={config.steps}): {', '.join(idle)} would apply to no step; raise steps to "
-                                 "train on under the new settings, or leave them out to rewrite the run card")
+        if resume is not None:
+            ck.check_left_to_train(resume, config, self.policy_new)
         # the next step's LR, as the checkpoint's schedule left it (its get_last_lr: on the fast path,
         # where the group's LR is the last step's, brought up to date at the save) and as now set
         lr_before = self._next_lr()
