@@ -41,17 +41,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import AmpguardWarning, ExitCode, InputError, failed_because, first_line, shown, unwritable
+from ..errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, first_line, shown, unwritable
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -263,7 +264,7 @@ class TrackerSink:
         A line that says which, or ``None`` when this sink sent no step after ``step`` since it
         began (or began again)."""
         self._flush()
-        if self._sent <= step:
+        if self._sent <= step or self.lost is not None:  # (a lost sink sends nothing more: nothing to fork)
             return None
         said = self._begin_again(step, steps_from(max(step + 1, self._low or 0), self._sent))
         self._sent, self._low = step, None
@@ -331,7 +332,7 @@ class TrackerSink:
         try:
             return call(*args)
         except Exception as err:  # noqa: BLE001 - each tracker's store fails its own way
-            self._lose(step, err)
+            self._lose(getattr(err, "step", None) or step, err)  # (a NotSent: the first step not sent)
             return None
 
     def _lose(self, step: int | None, err: BaseException) -> None:
@@ -341,11 +342,11 @@ class TrackerSink:
         when = f"stopped taking steps at step {step}" if step is not None else "failed at the run's end"
         self.lost = f"{self.where} {when} ({first_line(err)})"
         with contextlib.suppress(Exception):
-            self._abandon()
+            self._abandon(err)
         lacks = (f"the tracker run lacks step {step} and later" if step is not None else
                  "the tracker run may lack the run's totals or files")
-        warnings.warn(f"{type(self).__name__}: {self.lost}: the run goes on without it (its CSV and checkpoints "
-                      f"hold every step); {lacks}", TrackerLostWarning, stacklevel=2)
+        warnings.warn(f"{type(self).__name__}: {self.lost}: the training goes on without it; {lacks}",
+                      TrackerLostWarning, stacklevel=2)
 
     def _at_exit(self) -> None:
         """Registered with ``atexit`` once the run is open, for a loop that never called ``close()``:
@@ -361,8 +362,8 @@ class TrackerSink:
     def _log(self, step: int, row: dict[str, float]) -> bool | None:
         raise NotImplementedError
 
-    def _abandon(self) -> None:
-        """The sink was lost: drop what it queued for the tracker, without waiting for it."""
+    def _abandon(self, err: BaseException) -> None:
+        """The sink was lost (``err``): drop what it queued for the tracker, without waiting for it."""
 
     def _stop_lost(self, exit_code: int) -> None:
         """End the tracker run of a lost sink, as far as its store still can (errors ignored)."""
@@ -549,13 +550,21 @@ class WandbSink(TrackerSink):
         if self._own:
             self.run.finish(exit_code=exit_code)
 
+    def _abandon(self, err: BaseException) -> None:
+        """W&B's service gone (its connection lost: killed, the OOM killer): W&B's own exit would
+        print a traceback of its lost connection after the one warning (review 50g); taken down
+        now. Another failure leaves W&B as it is (your other W&B runs share its service)."""
+        if isinstance(err, ConnectionError) and self._own:
+            import wandb
+
+            wandb.teardown()
+
 
 class MLflowSink(TrackerSink):
     """Every step to an MLflow run (``pip install 'ampguard[mlflow]'``): one ``log_batch`` per
-    step, sent by MLflow's background logger (``synchronous=False``), so a tracking server's
-    round trip stays out of the training loop; ``close``/``finish`` wait for them all. A local
-    file store is written synchronously instead: it is a local write, and MLflow's background
-    threads race creating its metric folders ("File exists").
+    step, sent to a tracking server from a thread of the sink's own (:class:`_Sender`), so a
+    server's round trip stays out of the training loop; ``close``/``finish`` wait for them all,
+    a bounded time. A local store is written synchronously instead: it is a local write.
 
     The run is found by ``run_id`` (the MLflow run's), else by the tag ``ampguard.run_id`` =
     ``ampguard_run_id`` (the newest run with it: how a resumed run continues its MLflow run),
@@ -593,9 +602,9 @@ class MLflowSink(TrackerSink):
                  ampguard_run_id: str | None = None, run_id: str | None = None, finish_later: bool = False) -> None:
         super().__init__(finish_later=finish_later)
         self.client = mlflow_client(tracking_uri)
-        self._ops: list[Any] = []
+        self._sender: _Sender | None = None  # (a tracking server's: made with the run, below)
         self._names: set[str] = set()  # the metric names of extras and optimizers MLflow was found to take
-        self._async = urlparse(str(self.client.tracking_uri)).scheme not in ("", "file")
+        remote = urlparse(str(self.client.tracking_uri)).scheme not in ("", "file")
         try:
             found = run_id or self._find(experiment, ampguard_run_id)
             active = self._active_run_id()
@@ -617,6 +626,8 @@ class MLflowSink(TrackerSink):
             raise
         except Exception as err:  # noqa: BLE001 - the store refused: one line
             raise InputError(f"log.mlflow: {first_line(err)}") from None
+        if remote:  # a server's round trips go on a thread of the sink's own (a local store is a local write)
+            self._sender = _Sender()
         atexit.register(self._at_exit)  # the process ends before the run did: not left RUNNING
 
     @property
@@ -633,6 +644,9 @@ class MLflowSink(TrackerSink):
             _validate_metric_name(key)
         except Exception as err:  # noqa: BLE001 - MlflowException
             raise ValueError(f"{type(self).__name__} ({self.where}): {first_line(err)}") from None
+        if len(key) > MAX_METRIC_NAME:  # (MLflow's stores refuse it only when sent: the sink was lost, review 50g)
+            raise ValueError(f"{type(self).__name__} ({self.where}): the metric name {shown(key)} is {len(key)} "
+                             f"characters, MLflow takes at most {MAX_METRIC_NAME}")
 
     def _active_run_id(self) -> str | None:
         """The run of MLflow's fluent API open in this process (``mlflow.start_run()``) when it is
@@ -695,13 +709,26 @@ class MLflowSink(TrackerSink):
             self._names.add(key)
         if self._continued is not None:  # the first step written to a run continued: is it there already?
             status, self._continued = self._continued, None
-            held = self.client.get_metric_history(self.run_id, "train/skipped")  # (logged at every step)
-            if held and max(m.step for m in held) >= record.step:
-                self._fork(record.step - 1, status)
-            elif "ampguard.ended" in self.client.get_run(self.run_id).data.tags:  # (an earlier end's, until this one's)
-                self.client.set_tag(self.run_id, "ampguard.ended", "running again (resumed): the other ampguard.* "
-                                    "totals are an earlier end's until this run ends")
+            # (its store gone: the sink is lost here, as at any other call; review 50g, a traceback, exit 1)
+            self._send(record.step, self._continue_at, record.step, status)
         super().write(record, extra)
+
+    def _continue_at(self, step: int, status: str) -> None:
+        """The first step written to a run continued: fork it if it holds that step already
+        (:meth:`_fork`); say so once if it lacks steps before it (a tracker lost in an earlier
+        part of the run: review 50g, the resume ended the run FINISHED over the gap, unsaid)."""
+        held = self.client.get_metric_history(self.run_id, "train/skipped")  # (logged at every step)
+        last = max((m.step for m in held), default=0)
+        if held and last >= step:
+            self._fork(step - 1, status)
+            return
+        if held and last < step - 1:
+            warnings.warn(f"MLflow run {self.run_id} holds steps up to {last} only: steps {last + 1} to {step - 1} "
+                          "are not in it (its tracker was lost, or the run logged elsewhere then); the CSV holds them",
+                          TrackerLostWarning, stacklevel=4)
+        if "ampguard.ended" in self.client.get_run(self.run_id).data.tags:  # (an earlier end's, until this one's)
+            self.client.set_tag(self.run_id, "ampguard.ended", "running again (resumed): the other ampguard.* "
+                                "totals are an earlier end's until this run ends")
 
     def _fork(self, through: int, status: str) -> None:
         """Continue in a new MLflow run holding the current one's history through step
@@ -766,39 +793,23 @@ class MLflowSink(TrackerSink):
 
         from mlflow.entities import Metric
 
-        self._sent_so_far()  # (a batch the background logger failed to send loses the sink here, one step on)
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in row.items()]
-        self._ops.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=not self._async))
-        if len(self._ops) > 256:  # keep the handles bounded: wait for the oldest
-            self._wait(keep=128)
+        if self._sender is None:
+            self.client.log_batch(self.run_id, metrics=metrics)
+        else:  # (what failed or stalled there since the last step is raised here: the sink is lost)
+            self._sender.send(step, functools.partial(self.client.log_batch, self.run_id, metrics=metrics))
 
-    def _sent_so_far(self) -> None:
-        """The background logger's batches already done, taken off the front without waiting; the
-        first that failed raised (review 50f: a server gone mid-run was said by MLflow's own
-        logger once a step, then as a traceback at the end)."""
-        while self._ops and all(future.done() for future in _futures(self._ops[0])):
-            op = self._ops.pop(0)
-            if op is not None:
-                op.wait()
+    def _wait(self) -> None:
+        """Every step handed to the sender sent (within :data:`END_WAIT_S`), else what stopped it
+        raised: the sink is lost at the first step not sent (review 50g: a server that stopped
+        taking steps ended the run FINISHED with 19 of 30 steps missing)."""
+        if self._sender is not None:
+            self._sender.drain(END_WAIT_S)
 
-    def _wait(self, keep: int = 0) -> None:
-        """Until no more than ``keep`` batches are in flight; all of them (``keep`` 0: the end)
-        within :data:`END_WAIT_S`, else a ``TimeoutError`` (a server gone: MLflow's defaults
-        retry a request for about four minutes, and an end waited on each)."""
-        if keep == 0 and self._ops:
-            import concurrent.futures
-
-            pending = [future for op in self._ops for future in _futures(op)]
-            if left := concurrent.futures.wait(pending, timeout=END_WAIT_S).not_done:
-                raise TimeoutError(f"the tracking server took {len(left)} batch(es) of steps not in {END_WAIT_S:g} s")
-        while len(self._ops) > keep:
-            op = self._ops.pop(0)
-            if op is not None:
-                op.wait()
-
-    def _abandon(self) -> None:
-        self._ops.clear()
+    def _abandon(self, err: BaseException) -> None:
+        if self._sender is not None:
+            self._sender.stop()
 
     def _stop_lost(self, exit_code: int) -> None:
         """A lost run ends FAILED (or with ``exit_code``, lost at the end) if its store takes it:
@@ -847,13 +858,113 @@ class MLflowSink(TrackerSink):
 
 
 END_WAIT_S = 120.0
-"""How long :meth:`MLflowSink` waits at the run's end for the steps its background logger still
-holds before the sink is lost (:class:`TrackerLostWarning`) and the process goes on to exit."""
+"""How long :meth:`MLflowSink` waits at the run's end for the steps its sender still holds
+before the sink is lost (:class:`TrackerLostWarning`) and the process goes on to exit."""
 
 
-def _futures(op: Any) -> list[Any]:
-    """The futures of one of MLflow's ``RunOperations`` (none for a synchronous call's ``None``)."""
-    return list(getattr(op, "_operation_futures", None) or ())
+class NotSent(Exception):
+    """What stopped a :class:`_Sender`: the call that failed (``__cause__``) or stalled, and the
+    first step the tracker run lacks (``step``, which :meth:`TrackerSink._lose` names)."""
+
+    def __init__(self, message: str, step: int | None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class _Sender:
+    """An MLflow sink's calls to a tracking server, made in order on a daemon thread of its own
+    (review 50g): MLflow's own background logger held up to 256 steps, stalled the training when
+    full (a server killed mid-run: about four minutes a request with MLflow's retries) and held
+    the process's exit while it retried them all. Here a call that fails stops the sending, and
+    :meth:`send` raises it at the next step (:class:`NotSent`, naming the first step not sent);
+    one under way for more than :data:`STALL_S` is raised alike (the server stopped answering);
+    at most :data:`MAX_QUEUED` steps wait. Being a daemon, it never holds the process's exit.
+
+    Example (a call that fails: the next step raises it, naming the first step not sent)::
+
+        >>> sender = _Sender()
+        >>> def refused():
+        ...     raise ConnectionError("Connection refused")
+        >>> sender.send(1, lambda: None); sender.send(2, refused); sender.drain(5)
+        Traceback (most recent call last):
+        ...
+        ampguard.integrations.trackers.NotSent: step 2 was not sent: Connection refused
+    """
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self._queue: queue.Queue[tuple[int, Callable[[], Any]] | None] = queue.Queue()
+        self._lock = threading.Condition()
+        self._waiting = 0  # calls handed over and not done
+        self._busy: tuple[int, float] | None = None  # (the step of the call under way, since when)
+        self.failed: NotSent | None = None
+        threading.Thread(target=self._run, name="ampguard-mlflow", daemon=True).start()
+
+    def send(self, step: int, call: Callable[[], Any]) -> None:
+        """Hand ``call`` (step ``step``'s) to the thread, once what stopped it, if anything, is raised."""
+        self.check()
+        if self._waiting >= MAX_QUEUED:
+            self.failed = NotSent(f"{MAX_QUEUED} steps wait for the tracking server, which is not keeping up", step)
+            raise self.failed
+        with self._lock:
+            self._waiting += 1
+        self._queue.put((step, call))
+
+    def check(self) -> None:
+        """Raise what stopped the sending (:class:`NotSent`), or a call under way past :data:`STALL_S`."""
+        if self.failed is not None:
+            raise self.failed
+        busy = self._busy
+        if busy is not None and time.monotonic() - busy[1] > STALL_S:
+            self.failed = NotSent(f"step {busy[0]} was not sent: the tracking server has not answered for "
+                                  f"{STALL_S:g} s", busy[0])
+            raise self.failed
+
+    def drain(self, timeout: float) -> None:
+        """Until every call handed over is done (then what stopped the sending, if anything, is
+        raised), or ``timeout`` seconds: then a :class:`NotSent` naming the first step not sent."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._waiting == 0 or self.failed is not None, timeout=timeout)
+        self.check()
+        if self._waiting:
+            busy = self._busy
+            self.failed = NotSent(f"the tracking server took {counted(self._waiting, 'step')} not in {timeout:g} s",
+                                  busy[0] if busy is not None else None)
+            raise self.failed
+
+    def stop(self) -> None:
+        """Send nothing more: what waits is dropped (the thread ends after the call under way)."""
+        if self.failed is None:
+            self.failed = NotSent("the sink was lost", None)
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            step, call = item
+            if self.failed is None:
+                self._busy = (step, time.monotonic())
+                try:
+                    call()
+                except BaseException as err:  # noqa: BLE001 - raised in the training's thread, at its next step
+                    failed = NotSent(f"step {step} was not sent: {first_line(err)}", step)
+                    failed.__cause__ = err
+                    self.failed = failed
+                finally:
+                    self._busy = None
+            with self._lock:
+                self._waiting -= 1
+                self._lock.notify_all()
+
+
+MAX_METRIC_NAME = 250
+"""The longest metric name MLflow's stores take (its ``MAX_ENTITY_KEY_LENGTH``)."""
+STALL_S = 120.0
+"""How long one call to a tracking server may take before the MLflow sink is lost (MLflow's own
+retries for a server gone take about four minutes a request)."""
+MAX_QUEUED = 10_000
+"""The most steps an MLflow sink holds for a tracking server that is not keeping up."""
 
 
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
