@@ -3,6 +3,8 @@ and save what they saw to ``OUT/rank{0,1}.pt``: ``python agree_ranks.py OUT``. t
 runs it as its module's early job and checks the results."""
 
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,9 +40,11 @@ def _steps(rank: int, sync_free: bool) -> list[tuple]:
         if step == 4 and rank == 0:
             inf_grad.append(True)
         record = state.step(xb, yb)
-        sink, lines = JsonlSink.__new__(JsonlSink), []
-        sink._write_line = lines.append  # (the line as JsonlSink writes it, without a file)
-        sink.write(record)
+        with tempfile.TemporaryDirectory() as folder:  # (the line as JsonlSink writes it)
+            sink = JsonlSink(Path(folder) / "steps.jsonl")
+            sink.write(record)
+            sink.close()
+            lines = (Path(folder) / "steps.jsonl").read_text().splitlines()
         out.append((record.reason, record.loss_on if record.skipped else None, console_line(record),
                     json.loads(lines[0]).get("loss_on")))
     return out
