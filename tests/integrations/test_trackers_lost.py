@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -162,17 +163,29 @@ def test_a_server_that_stops_answering_loses_the_sink_after_a_bounded_wait_and_n
     loss = _metric_file(sink, "train/loss")
     loss.unlink()
     os.mkfifo(loss)  # a write there waits for a reader that never comes: a server that stopped answering
+    alert = loss.parents[2] / "tags" / "ampguard.last_alert"
+    os.mkfifo(alert)  # (and the tag an ALERT sets)
     try:
         started = time.monotonic()
         sink.write(_row(3))  # step 2 goes out and hangs
+        from ampguard.monitor import Event, RunMonitor
+
+        told = threading.Thread(target=sink.observe, daemon=True, args=(
+            RunMonitor(), [Event(3, "skip_rate_alert", "rolling skip rate 0.5 > alert_rate 0.05")]))
+        told.start()
+        told.join(2.0)
+        assert not told.is_alive()  # (an ALERT's tags go out behind the steps: the training's thread is not held)
         time.sleep(0.5)
         with pytest.warns(TrackerLostWarning, match=r"stopped taking steps at step 2 \(step 2 was not sent: the "
                                                     r"tracking server has not answered for 0.3 s\)"):
             sink.write(_row(4))
+            sink.write(_row(5))  # (step 4 goes out: what stalled is raised)
         sink.close()
         assert time.monotonic() - started < 10
     finally:
-        os.close(os.open(loss, os.O_RDONLY | os.O_NONBLOCK))  # (the sender's thread let go)
+        for pipe in (loss, alert):
+            os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))  # (a thread waiting there let go)
+            pipe.unlink()
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
@@ -195,6 +208,7 @@ def test_the_end_waits_a_bounded_time_for_steps_a_server_never_takes_and_the_run
         assert time.monotonic() - started < 10
     finally:
         os.close(os.open(loss, os.O_RDONLY | os.O_NONBLOCK))
+        loss.unlink()  # (a reader of the run's metrics would wait at the pipe for a writer)
     assert sink.client.get_run(sink.run_id).info.status == "FAILED"  # (it lacks steps: not FINISHED)
 
 

@@ -828,10 +828,18 @@ class MLflowSink(TrackerSink):
                      json={"run_id": self.run_id, "status": status, "end_time": int(time.time() * 1000)})
 
     def _event(self, event: dict[str, Any]) -> None:
-        kind = str(event.get("event"))
+        from mlflow.entities import RunTag
+
+        kind, step = str(event.get("event")), event.get("step")
+        tags = [RunTag(f"ampguard.events.{kind}", str(step))]
         if kind.endswith("_alert") or kind == "fail":
-            self.client.set_tag(self.run_id, "ampguard.last_alert", f"step {event.get('step')}: {event.get('message')}"[:5000])
-        self.client.set_tag(self.run_id, f"ampguard.events.{kind}", str(event.get("step")))
+            tags.insert(0, RunTag("ampguard.last_alert", f"step {step}: {event.get('message')}"[:5000]))
+        if self._sender is None:
+            self.client.log_batch(self.run_id, tags=tags)
+        else:  # (a server's round trip off the training's thread, as the steps': an ALERT to a dead server
+            # held the step for MLflow's retries)
+            self._sender.send(step if isinstance(step, int) else self._sent,
+                              functools.partial(self.client.log_batch, self.run_id, tags=tags))
 
     def _summary(self, totals: dict[str, Any]) -> None:
         import time
