@@ -285,3 +285,35 @@ def test_a_disabled_wandb_run_names_no_folder(tmp_path):
         assert sink.where.endswith("(disabled)"), sink.where
     finally:
         sink.close()
+
+
+def test_a_sink_whose_server_fails_while_it_begins_again_is_lost_not_raised(tmp_path):
+    # review 50l: NotSent escaped begin_again (a Hugging Face auto_find_batch_size retry ended in a traceback)
+    sink = _sink(tmp_path)
+    sink._sender = trackers._Sender()
+    sink.write(_row(1))
+    sink.write(_row(2))
+    sink._sender.drain(30)
+    loss = _metric_file(sink, "train/loss")
+    loss.unlink()
+    loss.mkdir()  # the store refuses step 2 while the abandoned attempt's steps drain
+    sink.write(_row(3))
+    with pytest.warns(TrackerLostWarning, match=r"stopped taking steps at step 2 \(step 2 was not sent: "):
+        assert sink.begin_again(1) is None
+    assert sink.lost is not None
+    sink.close()
+
+
+def test_a_full_queue_names_the_first_step_not_sent(monkeypatch):
+    # review 50l: it named the step that found the queue full, while every step waiting was dropped too
+    import threading as _threading
+
+    monkeypatch.setattr(trackers, "MAX_QUEUED", 3)
+    sender, hold = trackers._Sender(), _threading.Event()
+    sender.send(1, hold.wait)  # (step 1 under way, held)
+    sender.send(2, lambda: None)
+    sender.send(3, lambda: None)
+    with pytest.raises(trackers.NotSent, match="3 steps wait for the tracking server") as raised:
+        sender.send(4, lambda: None)
+    hold.set()
+    assert raised.value.step == 1

@@ -266,9 +266,10 @@ class TrackerSink:
         self._flush()
         if self._sent <= step or self.lost is not None:  # (a lost sink sends nothing more: nothing to fork)
             return None
-        said = self._begin_again(step, steps_from(max(step + 1, self._low or 0), self._sent))
+        # (the tracker failing here loses the sink, as at any call: review 50l, NotSent escaped the retry)
+        said = self._send(step + 1, self._begin_again, step, steps_from(max(step + 1, self._low or 0), self._sent))
         self._sent, self._low = step, None
-        return said
+        return None if self.lost is not None else said
 
     def close(self) -> None:
         try:
@@ -913,8 +914,10 @@ class _Sender:
     def send(self, step: int, call: Callable[[], Any]) -> None:
         """Hand ``call`` (step ``step``'s) to the thread, once what stopped it, if anything, is raised."""
         self.check()
-        if self._waiting >= MAX_QUEUED:
-            self.failed = NotSent(f"{MAX_QUEUED} steps wait for the tracking server, which is not keeping up", step)
+        if self._waiting >= MAX_QUEUED:  # (the first step not sent: the one under way, else the oldest waiting)
+            busy, waiting = self._busy, list(self._queue.queue)
+            first = busy[0] if busy is not None else waiting[0][0] if waiting and waiting[0] is not None else step
+            self.failed = NotSent(f"{MAX_QUEUED} steps wait for the tracking server, which is not keeping up", first)
             raise self.failed
         with self._lock:
             self._waiting += 1
