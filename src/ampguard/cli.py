@@ -235,12 +235,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.spike:  # (DESIGN §4: --spike is --inject spike@5, in train as in the demo)
         if "none" in (args.inject or []):
             raise InputError("train: --spike injects spike@5, --inject none nothing: give one of them")
-        args.inject = [*(args.inject or []), "spike@5"]
+        args.inject = [*(args.inject or []), *([] if "spike@5" in (args.inject or []) else ["spike@5"])]
     resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
     base = None if resume is None else _resumed_base(resume)
     config = _config_from(args, base=base, sections=sections, verb="train",
                           saved=None if resume is None else resume.run_dir / "config.yaml")
+    if args.spike and config.steps < 5:  # (the fault's own line said "given with --inject", which was not given)
+        raise InputError(f"train: --spike is a loss spike at step 5, past the run's {counted(config.steps, 'step')}: "
+                         "drop --spike, or raise steps to 5 or more")
     if resume is not None:
         _check_resumed(config, resume, base)
     _check_fail_after(args, config)

@@ -279,9 +279,21 @@ def one_line(message: str) -> str:
 
         >>> one_line("config a\nb.yaml: not found"), len(one_line("x" * 10**5))
         ('config a\\nb.yaml: not found', 2000)
+        >>> one_line("a\\nb\n.yaml")  # (a backslash the name holds, then a newline: told apart)
+        'a\\\\nb\\n.yaml'
+        >>> one_line("\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f\n") == "\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f\\n"
+        True
     """
-    if has_control(message):
-        message = "".join(c.encode("unicode_escape").decode("ascii") if has_control(c) else c for c in message)
+    if has_control(message):  # (a backslash doubled, as the escapes it then sits beside; an emoji flag's tags kept)
+        parts, at = [], 0
+        for flag in [*_EMOJI_TAGS.finditer(message), None]:
+            end = flag.start() if flag is not None else len(message)
+            parts.append("".join(c.encode("unicode_escape").decode("ascii") if has_control(c) or c == "\\" else c
+                                 for c in message[at:end]))
+            if flag is not None:
+                parts.append(flag.group())
+                at = flag.end()
+        message = "".join(parts)
     return shortened(message, MAX_MESSAGE)
 
 

@@ -74,6 +74,10 @@ def test_train_spike_is_inject_spike_at_5():
     assert "- spike@5" in out.split("inject:")[1].splitlines()[1]
     assert "--spike injects spike@5, --inject none nothing" in one_error_line(
         ag("train", *LINEAR, "--spike", "--inject", "none"))
+    assert one_error_line(ag("train", *LINEAR, "--spike", "--set", "steps=3")) == (
+        "ampguard: error: train: --spike is a loss spike at step 5, past the run's 3 steps: drop --spike, or raise "
+        "steps to 5 or more")
+    ok(ag("train", *LINEAR, "--spike", "--inject", "spike@5", "--print-config"))  # (the same fault, given twice)
 
 
 def test_the_main_job_script_runs_in_the_folder_it_is_called_from(tmp_path):
