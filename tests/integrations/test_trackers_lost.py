@@ -6,6 +6,7 @@ writes into replaced by a file), not through a stand-in client."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -124,16 +125,39 @@ def _metric_file(sink: MLflowSink, key: str) -> Path:
     return run / "metrics" / key
 
 
-def test_a_step_the_sender_failed_to_send_loses_the_sink_at_the_next_step_naming_that_step(tmp_path):
-    # review 50f/50g: a server gone mid-run was said by MLflow's own logger once a step, its background logger
-    # stalled the training when full, and the warning named a later step than the first one missing
+def _sending_sink(tmp_path: Path) -> tuple[MLflowSink, Path]:
+    """An MLflow sink sending through a sender (as to a tracking server) over the real file store,
+    step 1 sent and step 2 held; and the file its ``train/loss`` values go to, taken away (to
+    break the store with)."""
     sink = _sink(tmp_path)
-    sink._sender = trackers._Sender()  # (a tracking server's sender, over the real file store)
+    sink._sender = trackers._Sender()
     sink.write(_row(1))
     sink.write(_row(2))  # step 1 goes out
     sink._sender.drain(30)
     loss = _metric_file(sink, "train/loss")
     loss.unlink()
+    return sink, loss
+
+
+@contextlib.contextmanager
+def _pipes(*paths: Path):
+    """Named pipes at ``paths``: a write there waits for a reader that never comes (a server that
+    stopped answering); after, a thread waiting there is let go and the pipes taken away (a reader
+    of the run's metrics would wait at one for a writer)."""
+    for path in paths:
+        os.mkfifo(path)
+    try:
+        yield
+    finally:
+        for path in paths:
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+            path.unlink()
+
+
+def test_a_step_the_sender_failed_to_send_loses_the_sink_at_the_next_step_naming_that_step(tmp_path):
+    # review 50f/50g: a server gone mid-run was said by MLflow's own logger once a step, its background logger
+    # stalled the training when full, and the warning named a later step than the first one missing
+    sink, loss = _sending_sink(tmp_path)
     loss.mkdir()  # the store refuses the next write
     sink.write(_row(3))  # step 2 goes out, and fails on the sender's thread
     with pytest.raises(trackers.NotSent):
@@ -155,17 +179,9 @@ def test_a_server_that_stops_answering_loses_the_sink_after_a_bounded_wait_and_n
     # review 50g: the training sat ~4 minutes at a full background queue, and the exit waited 12 minutes more
     monkeypatch.setattr(trackers, "STALL_S", 0.3)
     monkeypatch.setattr(trackers, "END_WAIT_S", 0.3)
-    sink = _sink(tmp_path)
-    sink._sender = trackers._Sender()
-    sink.write(_row(1))
-    sink.write(_row(2))
-    sink._sender.drain(30)
-    loss = _metric_file(sink, "train/loss")
-    loss.unlink()
-    os.mkfifo(loss)  # a write there waits for a reader that never comes: a server that stopped answering
-    alert = loss.parents[2] / "tags" / "ampguard.last_alert"
-    os.mkfifo(alert)  # (and the tag an ALERT sets)
-    try:
+    sink, loss = _sending_sink(tmp_path)
+    alert = loss.parents[2] / "tags" / "ampguard.last_alert"  # (and the tag an ALERT sets)
+    with _pipes(loss, alert):
         started = time.monotonic()
         sink.write(_row(3))  # step 2 goes out and hangs
         from ampguard.monitor import Event, RunMonitor
@@ -182,33 +198,19 @@ def test_a_server_that_stops_answering_loses_the_sink_after_a_bounded_wait_and_n
             sink.write(_row(5))  # (step 4 goes out: what stalled is raised)
         sink.close()
         assert time.monotonic() - started < 10
-    finally:
-        for pipe in (loss, alert):
-            os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))  # (a thread waiting there let go)
-            pipe.unlink()
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
 def test_the_end_waits_a_bounded_time_for_steps_a_server_never_takes_and_the_run_ends_failed(tmp_path, monkeypatch):
     monkeypatch.setattr(trackers, "END_WAIT_S", 0.3)
-    sink = _sink(tmp_path)
-    sink._sender = trackers._Sender()
-    sink.write(_row(1))
-    sink.write(_row(2))
-    sink._sender.drain(30)
-    loss = _metric_file(sink, "train/loss")
-    loss.unlink()
-    os.mkfifo(loss)
-    try:
+    sink, loss = _sending_sink(tmp_path)
+    with _pipes(loss):
         sink.write(_row(3))  # step 2 goes out and hangs; step 3 is held
         with pytest.warns(TrackerLostWarning, match=r"stopped taking steps at step 2 \(the tracking server took 2 "
                                                     r"steps not in 0.3 s\)"):
             started = time.monotonic()
             sink.close()
         assert time.monotonic() - started < 10
-    finally:
-        os.close(os.open(loss, os.O_RDONLY | os.O_NONBLOCK))
-        loss.unlink()  # (a reader of the run's metrics would wait at the pipe for a writer)
     assert sink.client.get_run(sink.run_id).info.status == "FAILED"  # (it lacks steps: not FINISHED)
 
 
@@ -289,13 +291,7 @@ def test_a_disabled_wandb_run_names_no_folder(tmp_path):
 
 def test_a_sink_whose_server_fails_while_it_begins_again_is_lost_not_raised(tmp_path):
     # review 50l: NotSent escaped begin_again (a Hugging Face auto_find_batch_size retry ended in a traceback)
-    sink = _sink(tmp_path)
-    sink._sender = trackers._Sender()
-    sink.write(_row(1))
-    sink.write(_row(2))
-    sink._sender.drain(30)
-    loss = _metric_file(sink, "train/loss")
-    loss.unlink()
+    sink, loss = _sending_sink(tmp_path)
     loss.mkdir()  # the store refuses step 2 while the abandoned attempt's steps drain
     sink.write(_row(3))
     with pytest.warns(TrackerLostWarning, match=r"stopped taking steps at step 2 \(step 2 was not sent: "):
