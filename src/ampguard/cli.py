@@ -232,10 +232,7 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.resume and args.config:
         raise InputError("train: --resume takes the run's config from its config.yaml; change it with --set, not CONFIG")
-    if args.spike:  # (DESIGN §4: --spike is --inject spike@5, in train as in the demo)
-        if "none" in (args.inject or []):
-            raise InputError("train: --spike injects spike@5, --inject none nothing: give one of them")
-        args.inject = [*(args.inject or []), *([] if "spike@5" in (args.inject or []) else ["spike@5"])]
+    _spike_as_inject(args)
     resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
     base = None if resume is None else _resumed_base(resume)
@@ -252,6 +249,15 @@ def _train(args: argparse.Namespace) -> int:
         print(dump_config(config), end="")
         return ExitCode.OK
     return train.train(config, resume)
+
+
+def _spike_as_inject(args: argparse.Namespace) -> None:
+    """``train --spike`` is ``--inject spike@5`` (DESIGN §4, as in the demo), added once."""
+    if not args.spike:
+        return
+    if "none" in (args.inject or []):
+        raise InputError("train: --spike injects spike@5, --inject none nothing: give one of them")
+    args.inject = [*(args.inject or []), *([] if "spike@5" in (args.inject or []) else ["spike@5"])]
 
 
 def _refused_before_the_run(config: Any, resume: Any) -> None:
