@@ -1679,6 +1679,24 @@ def _close_at_exit(ref: weakref.ReferenceType[BackgroundSink]) -> None:
               file=sys.stderr)
 
 
+def newly_lost(sinks: Sequence[Any], told: list[Any]) -> list[str]:
+    """Why each tracker sink of ``sinks`` lost since ``told`` was last extended (here) stopped
+    taking steps (its ``lost``: its store or server failed; the run goes on without it): each
+    loss once, for a run's event log (``tracker_lost``).
+
+    Example::
+
+        >>> class Lost:
+        ...     lost = "MLflow run r stopped taking steps at step 3 (the store is full)"
+        >>> told, sinks = [], [Lost(), object()]
+        >>> newly_lost(sinks, told), newly_lost(sinks, told)
+        (['MLflow run r stopped taking steps at step 3 (the store is full)'], [])
+    """
+    lost = [sink for sink in sinks if getattr(sink, "lost", None) and sink not in told]
+    told.extend(lost)
+    return [sink.lost for sink in lost]
+
+
 class Sinks:
     """Several sinks as one.
 
@@ -1745,11 +1763,8 @@ class Sinks:
             raise errors[0]
 
     def newly_lost(self) -> list[str]:
-        """Why each tracker sink lost since the last call stopped taking steps (``lost``: its
-        store or server failed; the run goes on without it), for the run's event log."""
-        lost = [sink.lost for sink in self.sinks if getattr(sink, "lost", None) and sink not in self._told]
-        self._told.extend(sink for sink in self.sinks if getattr(sink, "lost", None) and sink not in self._told)
-        return lost
+        """:func:`newly_lost` of these sinks, for the run's event log."""
+        return newly_lost(self.sinks, self._told)
 
     def _drop(self, sink: Sink, full: DiskFull, through: int | None) -> None:
         if sink in self.sinks:

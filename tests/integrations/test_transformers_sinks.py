@@ -5,6 +5,7 @@ sinks serve one ``train()``. The model is a one-layer GPT-2 (from a GPT2Config, 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -189,6 +190,24 @@ def test_a_failed_upload_still_ends_the_tracker_run_with_the_outcome(tmp_path):
         _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=2).train()
     run = sink.client.get_run(sink.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["ampguard.exit_code"] == "0"  # (ended, not RUNNING)
+    assert sorted(_history(sink, "train/skipped")) == [1, 2]
+
+
+class LogFailsFrom3(MLflowSink):
+    def _log(self, step, row):
+        if step >= 3:
+            raise OSError(28, "No space left on device")
+        return super()._log(step, row)
+
+
+def test_a_tracker_lost_mid_train_is_a_tracker_lost_event_in_the_callbacks_log(tmp_path):
+    # review 50g: outside ampguard train the loss left no record but the warning
+    sink = LogFailsFrom3(tracking_uri=(tmp_path / "mlruns").as_uri(), experiment="hf")
+    with pytest.warns(TrackerLostWarning, match="stopped taking steps at step 3"):
+        _trainer(tmp_path, AmpGuardCallback(sinks=[sink], print_fn=lambda line: None), steps=5).train()
+    events = [json.loads(line) for line in (tmp_path / "out" / "ampguard" / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["event"] == "tracker_lost"]
+    assert len(lost) == 1 and "stopped taking steps at step 3" in lost[0]["message"] and lost[0]["step"] >= 3
     assert sorted(_history(sink, "train/skipped")) == [1, 2]
 
 

@@ -54,7 +54,7 @@ from ..monitor import DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonit
 from ..precision import Precision, check_scaler_settings
 from ..records import SkipLog, StepLog, StepRecord
 from ..signals import Interrupted, StopFlag, stop_on_signals
-from ..sinks import CsvSink, Sink, aside_taken_back, set_aside
+from ..sinks import CsvSink, Sink, aside_taken_back, newly_lost, set_aside
 from ..step import Guard, check_settings, holds_gradients
 from ..watch import first_forward_dtypes, float32_layers_text, note_autocast_inside
 from .accelerate import _inner, found_inf
@@ -242,6 +242,7 @@ class AmpGuardCallback(TrainerCallback):
         self._batch: int | None = None  # the train batch size of this train()'s last attempt (auto_find_batch_size)
         self._given: list[Sink] = []  # the sinks this train() was given (every process: refused to a later one)
         self._serving: list[Sink] = []  # those it writes and its end ends (process 0's)
+        self._told_lost: list[Sink] = []  # the tracker sinks lost that events.jsonl names (tracker_lost)
         self._logged_skips = 0  # the monitor's skips at HF's last training log (add_to_log)
         self._logged_steps = 0  # and its steps there: the final log adds keys only for steps after it
         self._stop: StopFlag | None = None  # GuardedTrainer: its train()'s stop signals (SIGINT, SIGTERM)
@@ -720,6 +721,8 @@ class AmpGuardCallback(TrainerCallback):
                 sink.observe(self.monitor, events)
         for event in events:
             self._emit(event.as_dict(), event_word(event.kind))
+        for why in newly_lost(self._serving, self._told_lost):  # (its warning was the console's line)
+            self._emit({"step": self.monitor.steps, "event": "tracker_lost", "message": why}, None)
 
     def _finish(self) -> None:
         """``run_end``, then close the files and write ``summary.json`` and ``RUN.md`` (process 0);
