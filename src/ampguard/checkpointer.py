@@ -1249,7 +1249,7 @@ SCHEDULER_COUNTS = ("last_epoch", "_step_count")
 (the guard steps it once an applied update; ``scheduler_on_skip: step``, once a step)."""
 
 
-def _check_scheduler(path: Path, saved: Any, scheduler: Any, step: int | None = None) -> None:
+def _check_scheduler(path: Path, saved: Any, scheduler: Any, step: int) -> None:
     def refuse(why: str) -> InputError:
         return InputError(f"{path}: its scheduler state does not fit this run's scheduler: {why}")
 
@@ -1265,7 +1265,7 @@ def _check_scheduler(path: Path, saved: Any, scheduler: Any, step: int | None = 
             raise refuse(_difference(key, value, live[key], "this scheduler's"))
         # review 50e: a last_epoch of -5 passed, then the first step divided by zero after the
         # resume had cut the run's logs; one of 1e9 put the LR at the schedule's floor, unsaid
-        if key in SCHEDULER_COUNTS and step is not None and type(value) is int and type(live[key]) is int and \
+        if key in SCHEDULER_COUNTS and type(value) is int and type(live[key]) is int and \
                 not live[key] <= value <= live[key] + step:
             raise refuse(f"{key} is {value}, and a scheduler of {step} step(s) counts {live[key]} to {live[key] + step}")
 

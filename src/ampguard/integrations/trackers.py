@@ -817,16 +817,11 @@ class MLflowSink(TrackerSink):
         a server with :func:`reach_server`'s bounded retries, not MLflow's four minutes."""
         if self._yours:
             return
-        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 141, 143) else "FAILED"
         if urlparse(str(self.client.tracking_uri)).scheme not in ("http", "https"):
-            self.client.set_terminated(self.run_id, status)
+            self.client.set_terminated(self.run_id, _run_status(exit_code))
             return
-        from mlflow.utils.rest_utils import http_request
-
-        http_request(self.client._tracking_client.store.get_host_creds(), "/api/2.0/mlflow/runs/update", "POST",
-                     max_retries=_env_count("MLFLOW_HTTP_REQUEST_MAX_RETRIES", PROBE_RETRIES),
-                     timeout=_env_count("MLFLOW_HTTP_REQUEST_TIMEOUT", PROBE_TIMEOUT_S),
-                     json={"run_id": self.run_id, "status": status, "end_time": int(time.time() * 1000)})
+        _bounded_request(self.client, "/api/2.0/mlflow/runs/update", {
+            "run_id": self.run_id, "status": _run_status(exit_code), "end_time": int(time.time() * 1000)})
 
     def _event(self, event: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
@@ -862,8 +857,19 @@ class MLflowSink(TrackerSink):
         self._wait()
         if self._yours:  # (your `with mlflow.start_run()` ends it)
             return
-        status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 141, 143) else "FAILED"
-        self.client.set_terminated(self.run_id, status)
+        self.client.set_terminated(self.run_id, _run_status(exit_code))
+
+
+def _run_status(exit_code: int) -> str:
+    """The status an MLflow run ends with for the run's exit code: FINISHED (0), KILLED (an
+    interrupt: 130, 141, 143), FAILED (any other).
+
+    Example::
+
+        >>> _run_status(0), _run_status(143), _run_status(3)
+        ('FINISHED', 'KILLED', 'FAILED')
+    """
+    return "FINISHED" if exit_code == 0 else "KILLED" if exit_code in (130, 141, 143) else "FAILED"
 
 
 END_WAIT_S = 120.0
@@ -914,10 +920,9 @@ class _Sender:
     def send(self, step: int, call: Callable[[], Any]) -> None:
         """Hand ``call`` (step ``step``'s) to the thread, once what stopped it, if anything, is raised."""
         self.check()
-        if self._waiting >= MAX_QUEUED:  # (the first step not sent: the one under way, else the oldest waiting)
-            busy, waiting = self._busy, list(self._queue.queue)
-            first = busy[0] if busy is not None else waiting[0][0] if waiting and waiting[0] is not None else step
-            self.failed = NotSent(f"{MAX_QUEUED} steps wait for the tracking server, which is not keeping up", first)
+        if self._waiting >= MAX_QUEUED:
+            self.failed = NotSent(f"{MAX_QUEUED} steps wait for the tracking server, which is not keeping up",
+                                  self._first_unsent(step))
             raise self.failed
         with self._lock:
             self._waiting += 1
@@ -940,10 +945,14 @@ class _Sender:
             self._lock.wait_for(lambda: self._waiting == 0 or self.failed is not None, timeout=timeout)
         self.check()
         if self._waiting:
-            busy = self._busy
             self.failed = NotSent(f"the tracking server took {counted(self._waiting, 'step')} not in {timeout:g} s",
-                                  busy[0] if busy is not None else None)
+                                  self._first_unsent(None))
             raise self.failed
+
+    def _first_unsent(self, default: int | None) -> int | None:
+        """The first step not sent: the call under way's, else the oldest waiting, else ``default``."""
+        busy, waiting = self._busy, [item for item in list(self._queue.queue) if item is not None]
+        return busy[0] if busy is not None else waiting[0][0] if waiting else default
 
     def stop(self) -> None:
         """Send nothing more: what waits is dropped (the thread ends after the call under way)."""
@@ -1096,16 +1105,21 @@ def reach_server(client: Any) -> None:
     uri = client.tracking_uri
     if urlparse(uri).scheme not in ("http", "https"):
         return
-    from mlflow.utils.rest_utils import http_request
-
-    retries = _env_count("MLFLOW_HTTP_REQUEST_MAX_RETRIES", PROBE_RETRIES)
-    timeout = _env_count("MLFLOW_HTTP_REQUEST_TIMEOUT", PROBE_TIMEOUT_S)
     try:
-        response = http_request(client._tracking_client.store.get_host_creds(), "/api/2.0/mlflow/experiments/search",
-                                "POST", max_retries=retries, timeout=timeout, json={"max_results": 1})
-        response.raise_for_status()
+        _bounded_request(client, "/api/2.0/mlflow/experiments/search", {"max_results": 1}).raise_for_status()
     except Exception as err:  # noqa: BLE001 - refused, timed out, not an MLflow server: one line
         raise InputError(f"log.mlflow: cannot reach the tracking server {uri}: {first_line(err)}") from None
+
+
+def _bounded_request(client: Any, endpoint: str, body: dict[str, Any]) -> Any:
+    """One POST to ``client``'s tracking server with bounded retries and timeout (the user's
+    ``MLFLOW_HTTP_REQUEST_*`` when set, else :data:`PROBE_RETRIES`, :data:`PROBE_TIMEOUT_S`),
+    passed as the request's own arguments: the environment is left alone. Its response."""
+    from mlflow.utils.rest_utils import http_request
+
+    return http_request(client._tracking_client.store.get_host_creds(), endpoint, "POST",
+                        max_retries=_env_count("MLFLOW_HTTP_REQUEST_MAX_RETRIES", PROBE_RETRIES),
+                        timeout=_env_count("MLFLOW_HTTP_REQUEST_TIMEOUT", PROBE_TIMEOUT_S), json=body)
 
 
 def check_trackers(config: Config) -> None:
