@@ -502,7 +502,9 @@ class Trainer:
         docs/design.md §2); on the fast path it reads nothing (its record is read back later,
         :class:`~ampguard.records.InFlight`).
         """
-        if self.config.accumulation_steps > 1:  # (the RNGs where the group starts: :meth:`_back_to_the_group_start`)
+        # the RNGs where the group starts, for the final checkpoint after data that fails inside it
+        # (:meth:`_back_to_the_group_start`); ~55 us a step, numpy's state most of it: only where one is saved
+        if self.config.accumulation_steps > 1 and self.config.checkpoint.enabled and self.checkpointer.enabled:
             self._group_rng = rng_state()
         while True:
             try:
@@ -548,7 +550,8 @@ class Trainer:
             return
         self.data.seek(self.data.position - self.state.micro_batches)
         self.state._discard_group()
-        set_rng_state(self._group_rng)
+        if self._group_rng is not None:  # (none noted: no checkpoint is saved, no resume reads the group again)
+            set_rng_state(self._group_rng)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
