@@ -852,8 +852,11 @@ class ValidateConfig(_Section):
     rel_tol: Amount = 0.05
     """Score tolerance, relative part."""
     tie_margin: Amount = 0.0
-    """Tie rule: a probe whose FP32 top-2 gap is <= this is a tie whichever way AMP decides (the
-    reference itself barely decides); so is one AMP keeps the decision of but with a gap <= this."""
+    """Tie rule: a probe whose FP32 top-2 gap is <= this (the reference barely decides) is a tie
+    where AMP names another class or keeps FP32's by an exact tie FP32 did not have, and the same
+    decision where AMP keeps FP32's otherwise (a tie the reference has is not AMP's doing:
+    listed, not counted); a probe FP32 decides by more than this is a tie where AMP keeps its
+    class by a gap <= this, a flip where AMP changes it."""
     ties: Literal["count_as_flip", "accept", "reject"] = "count_as_flip"
     """Tie rule: a tie counts toward ``max_flips`` (``count_as_flip``), is accepted (``accept``),
     or rejects the run by itself (``reject``)."""

@@ -271,6 +271,25 @@ def test_a_confident_fp32_decision_that_amp_changes_is_a_flip_not_a_tie():
     assert not result.rules[-1].ok
 
 
+def test_a_tie_the_reference_has_and_amp_keeps_is_not_a_decision_change():
+    # review_51b: an identity head with no bias ties exactly on a zero input in FP32; bf16 gives
+    # the same outputs bit for bit, yet the default rules counted the reference's tie as a flip:
+    # "0 flips; 1 tie: edge:zeros (0->0 ...) -> FAIL", REJECTED. FP32 against itself failed too
+    x = torch.eye(4).repeat(2, 1) * 2.0
+    task = toy_task(x, torch.arange(4).repeat(2), edge_cases=lambda: (["zeros"], torch.zeros(1, 4)))
+    result = compare(task, task.model, config_of(min_accuracy=0.9, abs_tol=0, rel_tol=0), CPU)
+    [bf16] = result.results
+    decisions = next(rule for rule in bf16.rules if rule.criterion.startswith("decision changes"))
+    assert decisions.ok and bf16.ties == [] and bf16.flips == [], decisions
+    assert "reference ties AMP kept (not counted): 1: edge:zeros (0->0" in decisions.amp
+    assert result.ok
+    # a tie the reference has, AMP naming another class: still a tie, counted by the default
+    cfg = make_config({"validation": {"tie_margin": 0.001}}).validation
+    changed = PrecisionResult("bf16", records=[{"probe": "held_out:0", "tags": ["boundary"]}])
+    _decisions(changed, cfg, torch.tensor([[1.0, 1.0003]]), torch.tensor([[1.0004, 1.0]]))
+    assert [row["probe"] for row in changed.ties] == ["held_out:0"] and not changed.rules[-1].ok
+
+
 # ---------------------------------------------------------------------------- 7: outputs only AMP changes
 
 
