@@ -440,6 +440,11 @@ def _scores(task: Task, model: nn.Module, inputs: torch.Tensor, precision: Preci
             dtypes[name], shapes[name] = str(value.dtype), each
         if task.mode == "classifier":
             first, rows = next(iter(parts.items()))
+            if sum(size != 1 for size in shapes[first]) > 1:  # (flattened, its argmax named no class)
+                raise InputError(
+                    f"validate: task {task.name} is a classifier, but its first output ({first}) has shape "
+                    f"{shapes[first]} per example: a classifier's decision is the argmax over one score per class "
+                    "(return (examples, classes) from predict), or declare mode 'regression'")
             if rows[0].shape[1] < 2:
                 raise InputError(
                     f"validate: task {task.name} is a classifier, but its first output ({first}) has "
@@ -510,9 +515,12 @@ def _quality(mode: str, scores: torch.Tensor, targets: torch.Tensor) -> float:
     return float(((scores - targets.to(scores.device).reshape(len(scores), -1).float()) ** 2).mean())
 
 
-def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor) -> None:
+def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor, each: tuple[int, ...] | None = None
+                   ) -> None:
     """Refuse held-out targets the quality rule cannot read: a classifier needs one class index
-    per example, a regression task one target per score of its first output.
+    per example, a regression task one target per score of its first output, laid out as the
+    output is per example (``each``; a flat row of as many targets too, and sizes of 1 aside:
+    a (3, 2) target beside a (2, 3) output flattened to the same 6 numbers compared wrongly).
 
     Example::
 
@@ -524,6 +532,12 @@ def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor) -> N
         ... except InputError as err:
         ...     print(err)
         validate: task toy: the held-out targets have shape (4, 1), but the first output has 2 scores per example: a regression task needs one target per score
+        >>> try:
+        ...     _check_targets(task, torch.zeros(4, 6), torch.zeros(4, 3, 2), each=(2, 3))
+        ... except InputError as err:
+        ...     print(err)
+        validate: task toy: the held-out targets have shape (3, 2) per example, but the first output has shape (2, 3): a regression task needs the targets laid out as the output (or flat)
+        >>> _check_targets(task, torch.zeros(4, 6), torch.zeros(4, 6), each=(2, 3))  # flat: fine
         >>> task.mode = "classifier"
         >>> try:
         ...     _check_targets(task, torch.zeros(4, 2), torch.tensor([0, 1, 2, 1]))
@@ -548,6 +562,12 @@ def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor) -> N
         raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape)}, but "
                          f"the first output has {scores.shape[1] if n else 0} scores per example: a regression task "
                          "needs one target per score")
+    if task.mode != "classifier" and each is not None and targets.dim() > 2:
+        unit = tuple(size for size in targets.shape[1:] if size != 1)
+        if unit != tuple(size for size in each if size != 1):
+            raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape[1:])} "
+                             f"per example, but the first output has shape {each}: a regression task needs the "
+                             "targets laid out as the output (or flat)")
 
 
 def _quality_rule(mode: str, cfg: Any, value: float) -> tuple[str, bool, bool]:
@@ -1060,7 +1080,7 @@ def _reference(task: Task, model: nn.Module, cfg: Any, device: torch.device, pro
                          f"(its outputs: {', '.join(ref.names)})")
     ref_eval = (probes.fp32_eval if probes.fp32_eval is not None
                 else _scores(task, model, probes.x_eval, fp32, seed, start))
-    _check_targets(task, ref_eval.primary, probes.y_eval)
+    _check_targets(task, ref_eval.primary, probes.y_eval, ref_eval.shapes.get(ref_eval.names[0]))
     quality = _quality(task.mode, ref_eval.primary, probes.y_eval)
     finite, all_finite = _finite(ref, ref_eval)  # every output, where quality reads only the first
     text, ok, checked = _quality_rule(task.mode, cfg, quality)
@@ -1210,9 +1230,11 @@ def _probe_records(probes: ProbeSet, amp: Scores, errors: dict[str, torch.Tensor
 def _extremes(result: PrecisionResult, reference: Reference, amp: Scores, amp_eval: torch.Tensor,
               targets: torch.Tensor) -> None:
     """A regression task's extremes: the first output's min and max over the probes in FP32 and
-    AMP, as a rule that shows them and holds where the tolerance rules do (no probe deviates), and
-    each one's largest error against the evaluation set's targets (stats)."""
+    AMP, as a rule that shows them and holds where its tolerance rule does (no probe deviates in
+    it: another output's deviation, beside equal extremes, read as FAIL; that output has its own
+    rule), and each one's largest error against the evaluation set's targets (stats)."""
     first, first_amp = reference.scores.primary, amp.primary
+    name = reference.scores.names[0]
     targets = targets.to(amp_eval.device).reshape(len(amp_eval), -1).float()
     result.stats.update(
         max_abs_error_vs_target_fp32=float((reference.eval_scores - targets).abs().max()),
@@ -1220,8 +1242,9 @@ def _extremes(result: PrecisionResult, reference: Reference, amp: Scores, amp_ev
         extremes_fp32=[float(first.min()), float(first.max())],
         extremes_amp=[float(first_amp.min()), float(first_amp.max())],
     )
-    within = not any(record["deviated"] for record in result.records)
-    result.rules.append(Rule("extremes (min, max over probes)", f"{float(first.min()):.4g}, {float(first.max()):.4g}",
+    within = not any(name in record["deviated_outputs"] for record in result.records)
+    label = "" if reference.scores.names == [SINGLE_OUTPUT] else f" of output {name}"
+    result.rules.append(Rule(f"extremes{label} (min, max over probes)", f"{float(first.min()):.4g}, {float(first.max()):.4g}",
                              f"{float(first_amp.min()):.4g}, {float(first_amp.max()):.4g}", within))
 
 

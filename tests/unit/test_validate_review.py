@@ -455,10 +455,70 @@ def test_an_output_transposed_only_under_amp_fails_the_outputs_rule():
         out = model(inputs).reshape(-1, 3, 2)
         return out.transpose(1, 2) if torch.is_autocast_enabled("cpu") else out
 
-    task = toy_task(x, torch.tensor([0, 1]), predict=predict)
-    result = compare(task, task.model, config_of(boundary=0, edge_cases=False, min_accuracy=0, abs_tol=10), CPU)
+    # (a regression task: a classifier's first output is one score per class, review_51b)
+    task = toy_task(x, x.reshape(-1, 3, 2), predict=predict, mode="regression")
+    result = compare(task, task.model, config_of(boundary=0, edge_cases=False, max_mse=1, abs_tol=10), CPU)
     [rule] = result.results[0].rules
     assert (rule.criterion, rule.reference, rule.amp, rule.ok) == (
         "outputs as FP32's (names, shapes)", "output (2, 3, 2)",
         "the model's output has shape (2, 2, 3) under bf16, (2, 3, 2) in FP32", False)
     assert not result.ok
+
+
+# ---------------------------------------------------------------------------- review_51b: shapes the rules misread
+
+
+class Grid(nn.Module):
+    """An identity on 6 numbers, returned as a (2, 3) grid per example (and a second output)."""
+
+    def __init__(self, second=False):
+        super().__init__()
+        self.lin = nn.Linear(6, 6, bias=False)
+        self.second = second
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(6))
+
+    def forward(self, x):
+        grid = self.lin(x).view(len(x), 2, 3)
+        return (grid, self.lin(x) * 1.001) if self.second else grid
+
+
+def test_a_classifier_whose_first_output_is_not_one_score_per_class_is_refused():
+    # (N, 2, 3): two heads of three classes, flattened and argmaxed over six "classes" against
+    # labels in [0, 3): accuracy and flips of a decision no head makes, never refused
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    task = toy_task(x, x.view(8, 2, 3)[:, 0].argmax(1), model=Grid())
+    with pytest.raises(InputError, match=r"^validate: task toy is a classifier, but its first output \(output\) has "
+                                         r"shape \(2, 3\) per example: "):
+        compare(task, task.model, config_of(min_accuracy=0.9), CPU)
+    flat = toy_task(x, x.argmax(1))  # (N, 6): fine; so is (N, 1, 6), one size of 1 aside
+    assert compare(flat, flat.model, config_of(min_accuracy=0.9), CPU).ok
+    task = toy_task(x, x.argmax(1), model=nn.Sequential(Grid(), nn.Flatten(), nn.Unflatten(1, (1, 6))))
+    assert compare(task, task.model, config_of(min_accuracy=0.9), CPU).ok
+
+
+def test_regression_targets_in_another_layout_than_the_output_are_refused():
+    # output (2, 3) per example, targets (3, 2): the same 6 numbers each, compared element by element
+    # in the wrong order (an FP32 reference "not trusted" over a model exact in its own layout)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    swapped = x.view(8, 2, 3).transpose(1, 2).contiguous()
+    task = toy_task(x, swapped, model=Grid(), mode="regression")
+    with pytest.raises(InputError, match=r"^validate: task toy: the held-out targets have shape \(3, 2\) per example, "
+                                         r"but the first output has shape \(2, 3\)"):
+        compare(task, task.model, config_of(max_mse=0.01, edge_cases=False), CPU)
+    for targets in (x.view(8, 2, 3), x, x.view(8, 1, 2, 3)):  # its layout, flat, or with a size of 1: fine
+        task = toy_task(x, targets, model=Grid(), mode="regression")
+        assert compare(task, task.model, config_of(max_mse=0.01, edge_cases=False), CPU).reference_ok
+
+
+def test_the_extremes_row_fails_on_the_first_outputs_deviation_only():
+    # output 0 bit for bit FP32's under bf16, output 1 not (zero tolerance): the extremes row showed
+    # equal numbers and FAIL; it is output 0's, and output 1 fails its own rule
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 1.875]]).repeat(4, 1)
+    task = toy_task(x, x.view(4, 2, 3), model=Grid(second=True), mode="regression")
+    result = compare(task, task.model, config_of(max_mse=100, abs_tol=0, rel_tol=0, edge_cases=False), CPU)
+    rules = {rule.criterion: rule for rule in result.results[0].rules}
+    extremes = rules["extremes of output 0 (min, max over probes)"]
+    assert extremes.ok and extremes.reference == extremes.amp == "1, 5", extremes
+    [one] = [rule for criterion, rule in rules.items() if criterion.startswith("output 1:")]
+    assert not one.ok and not result.ok
