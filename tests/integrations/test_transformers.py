@@ -430,6 +430,21 @@ def test_a_ctrl_c_in_train_is_written_down_as_interrupted(tmp_path):
     assert trainer.ampguard.exit_code == 130
 
 
+def test_a_ctrl_c_in_a_fresh_runs_first_step_still_gives_130(tmp_path):
+    # review_51e: the files of a run with no step are taken back, and exit_code stayed 0: the
+    # README's `raise SystemExit(trainer.ampguard.exit_code)` reported a preempted job as a success
+    class CtrlCAtStep1(GuardedTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            raise KeyboardInterrupt
+
+    trainer = CtrlCAtStep1(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=5), train_dataset=token_ids(),
+                           ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.ampguard.exit_code == 130
+    assert not (tmp_path / "out" / "ampguard" / "steps.csv").exists()  # taken back: a new run starts afresh
+
+
 def test_a_resume_goes_on_at_the_checkpoints_step_with_its_scale_and_monitor(tmp_path):
     # fp16: the overflow at step 2 halves the scale (1024 -> 512); HF saves a checkpoint at step 2
     args = arguments(tmp_path, "fp16", steps=4, save_strategy="steps", save_steps=2)

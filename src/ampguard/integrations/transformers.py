@@ -319,11 +319,16 @@ class AmpGuardCallback(TrainerCallback):
     def crashed(self, error: BaseException) -> None:
         """``train()`` ended with ``error`` (called by :class:`GuardedTrainer`): ``run_end``,
         ``summary.json`` and ``RUN.md`` still say how far the run got and why it ended. Nothing
-        once they are written, or before the files were opened."""
+        once they are written, or before the files were opened; :attr:`exit_code` says it all the
+        same (a Ctrl-C or SIGTERM in a fresh run's first step left it 0: a preempted job that
+        reported success, and was never requeued)."""
         if self.monitor is None or self._ended:
+            if self.monitor is None:  # (before any file was opened: a checkpoint refused, a signal at start-up)
+                self.crash = error
             return
         if not self.monitor.steps and self._fresh:  # (a first step's refusal: frozen="ignore" asked for, ...)
             self._withdraw()
+            self.crash = error
             error.add_note("ampguard: no step was recorded, so the files this train() made are taken back: a "
                            "corrected train() starts afresh in the same folder")
             return
