@@ -176,6 +176,21 @@ def test_an_existing_csv_is_refused_before_any_step(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_a_stock_trainer_refused_for_an_existing_event_log_leaves_no_csv_behind(tmp_path):
+    # review_51e: steps.csv was made before events.jsonl was refused; a stock Trainer never tells
+    # the callback train() raised, so the header stayed and the next run was refused for it
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "events.jsonl").write_text("keep me\n")
+    for _ in range(2):  # (the second time refused for the same file, not for a CSV of the first's)
+        trainer = Trainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids(8),
+                          callbacks=[AmpGuardCallback(folder, print_fn=lambda line: None)])
+        with pytest.raises(InputError, match=r"events\.jsonl already exists; refusing to overwrite it"):
+            trainer.train()
+        assert sorted(p.name for p in folder.iterdir()) == ["events.jsonl"]
+    assert (folder / "events.jsonl").read_text() == "keep me\n"
+
+
 def _stock_step(handler, args, state, control, optimizer, model, *, poisoned: bool) -> float | None:
     """One optimizer step as a stock Trainer takes it with Accelerate's GradScaler (fp16 on a GPU),
     driven by hand on the CPU through HF's own CallbackHandler: ``accelerator.backward`` (the scaled

@@ -475,7 +475,15 @@ class AmpGuardCallback(TrainerCallback):
                 # (each once made: a file refused as "already exists" is the user's, never taken back)
                 if not goes_on:
                     self._fresh.append(folder / CSV_NAME)
-                self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
+                try:
+                    self._events = EventLog(folder / EVENTS_NAME, self.print_fn, append=goes_on)
+                except BaseException:  # ("events.jsonl already exists": the CSV just made is taken back, or
+                    # the next run is refused for a file this one wrote, on a stock Trainer that never says it raised)
+                    if not goes_on:
+                        self._csv.close()
+                        (folder / CSV_NAME).unlink(missing_ok=True)
+                        self._csv, self._fresh = None, []
+                    raise
                 if not goes_on:
                     self._fresh.append(folder / EVENTS_NAME)
                 self.out_dir = folder
