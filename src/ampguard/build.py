@@ -590,7 +590,9 @@ def build_headroom(config: Config, model: nn.Module, scaler: torch.amp.GradScale
     """The headroom telemetry when ``monitor.headroom.every`` is set, else None. Measured against
     ``monitor.headroom.format`` (``HeadroomConfig.format_for``: ``auto`` is the run's precision,
     bf16 for fp8). With the loss scaler on,
-    the alert judges the gradients without the scale (:meth:`Headroom.judged_bits`).
+    the alert judges the gradients without the scale (:meth:`Headroom.judged_bits`). With
+    ``compile: true`` a measured step runs eagerly, however the model is wrapped (``model`` is
+    the one inside a DDP wrapper that train compiled).
 
     Example::
 
@@ -608,7 +610,7 @@ def build_headroom(config: Config, model: nn.Module, scaler: torch.amp.GradScale
         return None
     loss_scale = (lambda: scale_in_use(scaler)) if scaler.is_enabled() else None
     return Headroom(model, h.format_for(config.precision), every=h.every, alert_bits=h.alert_bits, loss_scale=loss_scale,
-                    scale_floor=config.scaler.min_scale)
+                    scale_floor=config.scaler.min_scale, compiled=config.compile)
 
 
 def to_device(value: Any, device: torch.device) -> Any:

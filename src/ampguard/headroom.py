@@ -77,7 +77,7 @@ import io
 import math
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -594,7 +594,7 @@ class Headroom:
 
     def __init__(self, model: nn.Module, fmt: Format | str, *, every: int, alert_bits: float,
                  scaled_grads: bool = False, loss_scale: Callable[[], torch.Tensor | float] | None = None,
-                 scale_floor: float = 1.0) -> None:
+                 scale_floor: float = 1.0, compiled: bool = False) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.format = FORMATS[fmt] if isinstance(fmt, str) else fmt
@@ -610,8 +610,10 @@ class Headroom:
         # its own, a LoRA layer's low-rank product, is noted)
         self._names = {id(m): None if _plain_linear(m) else name for name, m in every_module}
         # a compiled model is measured eagerly (:meth:`measuring`); None on a torch without the stance:
-        # then no probe either (its mode would make dynamo compile the model again)
-        self._eager = _force_eager if compiled_inside(model) else contextlib.nullcontext
+        # then no probe either (its mode would make dynamo compile the model again). ``compiled``: a
+        # wrapper around ``model`` is (train's DDP wrapper compiled under torchrun: the model inside it
+        # is not, and dynamo compiled these hooks at each measured step, up to its recompile limit)
+        self._eager = _force_eager if compiled or compiled_inside(model) else contextlib.nullcontext
         self._step: int | None = None  # the step being (or last) measured
         self._stats: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
         self._scale: torch.Tensor | float | None = None  # the loss scale of the step being measured
@@ -705,12 +707,25 @@ class Headroom:
         return lambda grad: self._add(name, "param_grad", grad)
 
     def _add(self, name: str, tensor: str, value: torch.Tensor) -> None:
-        """Device reductions only (no host read): the largest |value| leaving NaNs out (an
-        overflow's ``softmax(inf)`` beside the inf logits of the same row: ``amax`` read nan, a
-        row never judged, and the overflow went unannounced; a row of NaNs alone stays nan, it
-        says nothing) and the count of values between 0 and the format's smallest normal. A
-        sparse gradient (``nn.Embedding(sparse=True)``) by its values; another layout is left
-        out."""
+        """Device reductions only (no host read): the largest |value|, inf where one is inf
+        whatever NaNs lie beside it (an overflow's ``softmax(inf)`` beside the inf logits of the
+        same row: ``amax`` read nan, a row never judged, and the overflow went unannounced), nan
+        where a NaN lies beside finite values only (it says nothing: the largest finite value of
+        an overflowed gradient that a wide layer of mixed signs made NaN and a ReLU zeros read as
+        0, infinite headroom, and cleared an alert), and the count of values between 0 and the
+        format's smallest normal. A sparse gradient (``nn.Embedding(sparse=True)``) by its
+        values; another layout is left out.
+
+        Example::
+
+            >>> h = Headroom(nn.Linear(1, 1), "fp16", every=1, alert_bits=4.0)
+            >>> for step, value in enumerate(([math.nan, 0.0, 0.0], [math.nan, math.inf, 1.0], [2.0, -3.0])):
+            ...     h._step = step
+            ...     h._add(ROOT, "grad", torch.tensor(value)); print(h.read(step)[0].amax)
+            nan
+            inf
+            3.0
+        """
         if value.layout != torch.strided:
             if value.layout != torch.sparse_coo:
                 return
@@ -719,8 +734,9 @@ class Headroom:
                 return
         a = value.detach().abs()
         under = ((a > 0) & (a < self.format.tiny)).sum()
-        top = torch.nan_to_num(a, nan=-1.0, posinf=math.inf).amax().float()  # (-1: every value NaN)
-        self._stats.setdefault((name, tensor), []).append((torch.where(top < 0, math.nan, top), under, a.numel()))
+        top = torch.nan_to_num(a, nan=0.0, posinf=math.inf).amax().float()
+        top = torch.where(a.isnan().any() & ~top.isinf(), math.nan, top)
+        self._stats.setdefault((name, tensor), []).append((top, under, a.numel()))
 
     def read(self, step: int) -> list[HeadroomRow]:
         """The rows of ``step`` (none unless it was measured): every number of the step copied to
@@ -744,6 +760,32 @@ class Headroom:
         self._stats, self._rows, self._row_scale = {}, (step, rows), None if scale is None else float(scale)
         return rows
 
+    def rows_of(self, record: StepRecord) -> list[HeadroomRow]:
+        """:meth:`read` for a step's record: on a step skipped for a non-finite loss the gradient
+        rows say nothing (nan): its backward ran seeded with 0 (the guard's, to keep every rank's
+        collectives), so its gradients are zeros or NaNs no loss made, and read as infinite
+        headroom (the heatmap's greenest cells; an alert cleared by them). The forward's rows
+        are the step's own. Kept: the CSV and :meth:`observe` read the same rows.
+
+        Example::
+
+            >>> from ampguard.records import SkipLog
+            >>> model = nn.Linear(1, 1)
+            >>> h = Headroom(model, "fp16", every=1, alert_bits=4.0)
+            >>> with h.measuring(1):
+            ...     (model(torch.ones(2, 1)).sum() * 0.0).backward()
+            >>> skip = SkipLog(1, lr=0.1, loss=math.inf, grad_l2_pre_clip=None, grad_l2_post_clip=None,
+            ...                scaler_scale=1.0, reason="non_finite_loss")
+            >>> [(r.tensor, r.amax) for r in h.rows_of(skip)]  # doctest: +NORMALIZE_WHITESPACE
+            [('input', 1.0), ('output', ...), ('grad', nan), ('param_grad', nan)]
+        """
+        rows = self.read(record.step)
+        if rows and record.skipped and record.reason == "non_finite_loss":
+            nothing = dict(amax=math.nan, headroom_bits=math.nan, underflow_share=math.nan)
+            rows = [row if row.tensor in UNSCALED else replace(row, **nothing) for row in rows]
+            self._rows = (record.step, rows)
+        return rows
+
     def judged_bits(self, row: HeadroomRow) -> float | None:
         """The headroom the alert judges ``row`` by (:func:`judged_bits`, at the loss scale the
         row's step ran with).
@@ -762,29 +804,36 @@ class Headroom:
         return judged_bits(row, self._row_scale, self.alert_bits, self.scale_floor)
 
     def observe(self, record: StepRecord) -> list[Event]:
-        """The alerts and clears a step's record brings (none on an unmeasured step)."""
+        """The alerts and clears a step's record brings (none on an unmeasured step), judged on
+        :meth:`rows_of` the record."""
+        self.rows_of(record)
         return self.observe_step(record.step)
 
     def observe_step(self, step: int) -> list[Event]:
         """:meth:`observe` by step number: one ``headroom_alert`` per module whose lowest judged
         headroom (:meth:`judged_bits`, over its output and gradients) is below ``alert_bits``
         and was not already, one ``headroom_clear`` per alerting module back at or above
-        ``alert_bits +`` :data:`CLEAR_MARGIN`."""
+        ``alert_bits +`` :data:`CLEAR_MARGIN` in every row (one that says nothing, a nan or a
+        gradient overflowed at a high loss scale, keeps the alert: the tensor it named may be
+        that one, and a clear on the module's other rows alerted again at the next step)."""
         rows = self.read(step)
         if not rows or self._observed == step:
             return []
         self._observed = step
         worst: dict[str, tuple[float, HeadroomRow]] = {}
+        unjudged: set[str] = set()
         for row in rows:
             bits = self.judged_bits(row)
-            if bits is not None and (row.module not in worst or bits < worst[row.module][0]):
+            if bits is None:
+                unjudged.add(row.module)
+            elif row.module not in worst or bits < worst[row.module][0]:
                 worst[row.module] = (bits, row)
         events = []
         for module, (bits, row) in worst.items():
             if bits < self.alert_bits and module not in self.alerting:
                 self.alerting.append(module)
                 events.append(Event(step, "headroom_alert", self._message(row, bits), self._data(row, bits)))
-            elif bits >= self.alert_bits + CLEAR_MARGIN and module in self.alerting:
+            elif bits >= self.alert_bits + CLEAR_MARGIN and module in self.alerting and module not in unjudged:
                 self.alerting.remove(module)
                 events.append(Event(step, "headroom_clear", (
                     f"headroom_clear: {module} back to {bits_shown(bits, self.alert_bits + CLEAR_MARGIN)} bits >= "
@@ -793,11 +842,16 @@ class Headroom:
 
     def _message(self, row: HeadroomRow, bits: float) -> str:
         scale, what = self._row_scale, f"{row.module} {row.tensor} headroom {bits_shown(bits, self.alert_bits)} bits"
+        # judged down to the scaler's floor: "without the loss scale" where the floor is 1 or below;
+        # above it, the headroom at the floor (its amax there beside the unscaled one: the two agree)
+        floor = max(self.scale_floor, 1.0)
+        where = "without the loss scale" if floor == 1.0 else f"at the loss scale's floor {floor:g}"
         bound = self._overflow_bound(row)
         if bound is not None:  # (its -inf, judged_bits' for the ranking, would read as inf without the scale too)
+            there = "" if floor == 1.0 else f" ({self.format.max / scale * floor:.4g} at the floor)"
             return (f"headroom_alert: {row.module} {row.tensor} overflowed at loss scale {scale:g}: headroom < "
-                    f"{bound:g} bits without the loss scale, alert_bits {self.alert_bits:g} (amax > "
-                    f"{self.format.max / scale:.4g} unscaled, {self.format.name} max {self.format.max:.6g})")
+                    f"{bound:g} bits {where}, alert_bits {self.alert_bits:g} (amax > "
+                    f"{self.format.max / scale:.4g} unscaled{there}, {self.format.name} max {self.format.max:.6g})")
         if row.tensor in UNSCALED or not self.scaled_grads:
             amax = f"amax {row.amax:.4g}"
         elif scale is None or not scale > 0:
@@ -805,8 +859,9 @@ class Headroom:
         elif bits == row.headroom_bits:  # unscaled (scale 1), or overflowed at a scale <= 2**alert_bits
             amax = f"amax {row.amax:.4g} at loss scale {scale:g}"
         else:
-            what += " without the loss scale"
-            amax = f"amax {row.amax / scale:.4g} unscaled, {row.amax:.4g} at loss scale {scale:g}"
+            what += f" {where}"
+            there = "" if floor == 1.0 else f"{row.amax / scale * floor:.4g} at the floor, "
+            amax = f"amax {there}{row.amax / scale:.4g} unscaled, {row.amax:.4g} at loss scale {scale:g}"
         return (f"headroom_alert: {what} < alert_bits {self.alert_bits:g} ({amax}, {self.format.name} max "
                 f"{self.format.max:.6g})")
 
@@ -886,7 +941,7 @@ class HeadroomCsv(CsvSink):
 
     def write(self, record: StepRecord, extra: Any = None) -> None:
         """Append the step's rows, each flushed (:class:`~ampguard.files.DiskFull` when there is no room)."""
-        for row in self.headroom.read(record.step):
+        for row in self.headroom.rows_of(record):
             self._append_row(row.cells())
             self.rows += 1
 
