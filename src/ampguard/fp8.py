@@ -279,9 +279,11 @@ def plan(model: nn.Module, *, keep_first_last: bool = True, exclude: Sequence[st
     """Every ``nn.Linear`` of the model (by name, in module order) and what happens to it:
     :data:`CONVERT` or why it stays in high precision. The first and last layer are the first and
     last the model registers (``named_modules()``' order: the order its forward calls them in
-    most models; a model that registers its head first names that one "first") of those its
-    forward calls (an attention's ``out_proj`` is not called: :func:`_not_called`); name others
-    in ``exclude``. A layer the swap would change or drop something of stays out
+    most models; a model that registers its head first names that one "first"), an
+    attention's ``out_proj`` aside (its module calls the weights, not the layer:
+    :func:`_not_called`). Which layers the forward calls is not traced: a Linear registered
+    after the head and never called (an auxiliary head) is the "last layer" and the head
+    converts; name the real ones in ``exclude``. A layer the swap would change or drop something of stays out
     (:func:`_cannot_swap`). A layer held at several places (reused, or a second name for it such as
     ``self.last_block = self.blocks[-1]``) is named at each of them and is one layer, placed in
     that order by its first place (a second name registered after the head does not make it the
