@@ -133,6 +133,33 @@ EXACT_ONLY: tuple[tuple[str, Callable[[Config], bool]], ...] = (
 skipped step's own batch or gradients, or on the state right after the trigger step."""
 
 
+def check_fast(config: Config, world_size: int = 1) -> None:
+    """``fast: true`` beside what the fast path cannot serve, one :class:`InputError` line: an
+    :data:`EXACT_ONLY` setting, ``optimizer.fused: false``, a world of several processes. From
+    the config and the world alone: ``--print-config`` refuses what ``train`` would.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> check_fast(validate({"fast": True, "optimizer": {"fused": False}}))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and optimizer.fused is false: set one of them otherwise
+    """
+    if not config.fast:
+        return
+    blocking = next((name for name, on in EXACT_ONLY if on(config)), None)
+    if blocking is not None:
+        raise InputError(f"fast: true cannot serve {blocking}, which needs each step decided at the host "
+                         "(set fast: false)")
+    if config.optimizer.fused is False:
+        raise InputError("fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and "
+                         "optimizer.fused is false: set one of them otherwise")
+    if world_size > 1:
+        raise InputError("fast: true runs in one process; under torchrun the step agrees with the other "
+                         "ranks at the host every step (set fast: false)")
+
+
 def fast_path(config: Config, device: torch.device, world_size: int = 1) -> tuple[bool, str]:
     """Whether the run takes the fast path (config ``fast``), and in a few words why (or why not).
 
@@ -158,15 +185,7 @@ def fast_path(config: Config, device: torch.device, world_size: int = 1) -> tupl
     blocking = next((name for name, on in EXACT_ONLY if on(config)), None)
     unfused = config.optimizer.fused is False  # (the fast path's sync-free step needs the fused kernel)
     if config.fast:
-        if blocking is not None:
-            raise InputError(f"fast: true cannot serve {blocking}, which needs each step decided at the host "
-                             "(set fast: false)")
-        if unfused:
-            raise InputError("fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and "
-                             "optimizer.fused is false: set one of them otherwise")
-        if world_size > 1:
-            raise InputError("fast: true runs in one process; under torchrun the step agrees with the other "
-                             "ranks at the host every step (set fast: false)")
+        check_fast(config, world_size)
     elif config.fast is False:
         return False, "exact path (fast: false)"
     elif device.type != "cuda" or world_size > 1:

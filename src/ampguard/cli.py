@@ -148,6 +148,16 @@ def _rate(text: str) -> float:
     return value
 
 
+def _fail_rate(text: str) -> float:
+    """A rate the fail-fast can trip on: below 1 (no skip rate is above 1: the flag asks for a
+    guard, and at 1 a run skipping every step ended "finished", exit 0)."""
+    value = _rate(text)
+    if value == 1.0:
+        raise argparse.ArgumentTypeError(f"must be a rate in [0, 1), got {text}: no skip rate is above 1, so the "
+                                         "fail-fast would never trip (a run skipping every step trips any rate below 1)")
+    return value
+
+
 def _fault(text: str) -> str:
     from .faults import parse_fault
 
@@ -214,10 +224,8 @@ def _demo(args: argparse.Namespace) -> int:
     if args.spike and args.steps < 5:  # (the fault's own line said "drop it: --inject none", which keeps it)
         raise InputError(f"demo: --spike is a loss spike at step 5, past the demo's {counted(args.steps, 'step')}: drop --spike, "
                          "or give --steps 5 or more")
-    given = args.inject or (["spike@5"] if args.spike else None)  # None: the demo's default fault
-    inject = None if given is None else _without_none(given)
-    if args.spike and args.inject:
-        inject.append("spike@5")
+    _spike_as_inject(args, "demo")
+    inject = None if not args.inject else _without_none(args.inject)  # None: the demo's default fault
     config = demo.demo_config(precision="bf16" if args.bf16 else args.precision or "fp16", steps=args.steps,
                               inject=inject, max_norm=args.max_norm, seed=args.seed, device=args.device,
                               strict=args.strict, monitor=_monitor_flags(args))
@@ -251,12 +259,14 @@ def _train(args: argparse.Namespace) -> int:
     return train.train(config, resume)
 
 
-def _spike_as_inject(args: argparse.Namespace) -> None:
-    """``train --spike`` is ``--inject spike@5`` (DESIGN §4, as in the demo), added once."""
+def _spike_as_inject(args: argparse.Namespace, verb: str = "train") -> None:
+    """``--spike`` is ``--inject spike@5`` (DESIGN §4), added once, for ``demo`` and ``train``
+    alike (the demo kept its own copy: ``--inject none --spike`` injected the spike, and
+    ``--spike --inject spike@5`` was refused as listed twice)."""
     if not args.spike:
         return
     if "none" in (args.inject or []):
-        raise InputError("train: --spike injects spike@5, --inject none nothing: give one of them")
+        raise InputError(f"{verb}: --spike injects spike@5, --inject none nothing: give one of them")
     args.inject = [*(args.inject or []), *([] if "spike@5" in (args.inject or []) else ["spike@5"])]
 
 
@@ -266,10 +276,12 @@ def _refused_before_the_run(config: Any, resume: Any) -> None:
     ``--print-config`` never prints, exit 0, a config the same command line would refuse, exit 2."""
     from . import distributed
     from . import checkpointer as ck
+    from .build import check_fast
     from .faults import parse_faults
     from .run_folder import taken
 
     world = distributed.launched_world_size()
+    check_fast(config, world)
     if resume is not None:
         ck.check_resume(resume, config, world)
         ck.check_left_to_train(resume, config)
@@ -505,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     for verb in (demo, train):
         verb.add_argument("--strict", action="store_true",
                           help="debugging: stop (exit 3) at the first non-finite loss or gradient, saying which and where")
-        verb.add_argument("--fail-skip-rate", type=_rate, metavar="RATE",
+        verb.add_argument("--fail-skip-rate", type=_fail_rate, metavar="RATE",
                           help="stop with exit code 3 when the rolling skip rate stays above RATE (monitor.fail_rate)")
         verb.add_argument("--fail-after", type=_positive_int, metavar="N",
                           help="...for N consecutive steps (monitor.fail_after, default 100; under fp16 the "

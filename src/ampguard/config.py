@@ -1341,6 +1341,13 @@ def _format_error(err: ValidationError) -> str:
     path = first["loc"]
     loc = shortened(".".join(str(part) for part in path), 120)  # (a key of thousands of characters: cut short)
     if first["type"] == "extra_forbidden":
+        key = str(path[-1]) if path else ""
+        if key == "":  # ("config: : unknown key")
+            return f"{loc.removesuffix('.')}: an empty key ('')" if loc.removesuffix(".") else "an empty key ('')"
+        if "." in key:  # (--set's spelling in a file: "optimizer.lr: unknown key" named a real setting unknown)
+            nested = ": {".join(key.split(".")) + ": ..." + "}" * key.count(".")
+            return (f"{loc}: a key with a dot in it: nest it ({nested}) in a file; dotted keys are "
+                    "--set's spelling")
         return f"{loc}: unknown key{_did_you_mean(path)}"
     msg = first["msg"].removeprefix("Value error, ")
     field, given = _field_at(path), first.get("input")
@@ -1531,7 +1538,9 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     """One line per group of settings given (:func:`given_keys`) that a ``verb`` run does not
     read, for a warning (as ``task linear does not read task.n_layer: ignored``): the loss
     scaler's without one, ``fp8`` outside ``precision: fp8``, ``checkpoint`` with checkpoints
-    off; ``validate`` names its own report folder and injects no faults. ``only``: just the
+    off, the other optimizer's, a constant schedule's floor, ``rollback`` with no trigger,
+    ``eval.every`` with evaluation off, ``monitor.fail_after`` with nothing to fail fast, and a
+    rate of 1 (no skip rate is above it: given, it never fires); ``validate`` names its own report folder and injects no faults. ``only``: just the
     settings under these keys (a resume's ``--set``: its ``config.yaml`` gives every key, and what
     it held was said when the run began).
 
@@ -1543,6 +1552,14 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         precision fp32 uses no loss scaler: scaler.min_scale ignored
         the fp8 section is read under precision: fp8 only (this run is fp32): fp8.recipe ignored
         checkpoint.enabled is false: checkpoint.every ignored
+        >>> for line in ignored_settings(validate({"optimizer": {"momentum": 0.5}, "monitor": {"fail_after": 5},
+        ...                                        "schedule": {"decay": "constant", "min_lr_ratio": 0.5}})):
+        ...     print(line)
+        optimizer adamw has no momentum setting (SGD's): optimizer.momentum ignored
+        schedule.decay is constant (no decay to a floor): schedule.min_lr_ratio ignored
+        monitor.fail_rate is not set and monitor.fail_on_scale_collapse is false: nothing fails fast: monitor.fail_after ignored
+        >>> ignored_settings(validate({"monitor": {"fail_rate": 1.0}}))
+        ['monitor.fail_rate 1: no skip rate is above 1, so the fail-fast never trips (a rate below 1 arms it, even when every step skips)']
         >>> ignored_settings(validate({"precision": "fp16", "scaler": {"min_scale": 2}}))  # (read: nothing to say)
         []
         >>> for line in ignored_settings(validate({"log": {"name": "v"}, "inject": ["nan_loss@2"], "steps": 3}), "validate"):
@@ -1572,6 +1589,26 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         lines += under("fp8.", f"the fp8 section is read under precision: fp8 only (this run is {config.precision})")
     if not config.checkpoint.enabled:
         lines += under("checkpoint.", "checkpoint.enabled is false")
+    opt = config.optimizer
+    if opt.name == "adamw":
+        lines += under("optimizer.momentum", "optimizer adamw has no momentum setting (SGD's)")
+    else:
+        lines += [line for key in ("optimizer.betas", "optimizer.eps")
+                  for line in under(key, "optimizer sgd has no betas or eps (AdamW's)")]
+    if config.schedule.decay == "constant":
+        lines += under("schedule.min_lr_ratio", "schedule.decay is constant (no decay to a floor)")
+    if not config.rollback.triggers:
+        lines += under("rollback.", "rollback.triggers is empty (no rollback)")
+    if not config.eval.enabled:
+        lines += under("eval.every", "eval.enabled is false")
+    mon = config.monitor
+    if mon.fail_rate is None and not mon.fail_on_scale_collapse:  # (the CLI's --fail-after is refused so)
+        lines += under("monitor.fail_after", "monitor.fail_rate is not set and monitor.fail_on_scale_collapse is "
+                                             "false: nothing fails fast")
+    for key, what in (("alert_rate", "the ALERT never fires"), ("fail_rate", "the fail-fast never trips")):
+        if getattr(mon, key) == 1 and f"monitor.{key}" in given:
+            lines.append(f"monitor.{key} 1: no skip rate is above 1, so {what} (a rate below 1 arms it, even "
+                         "when every step skips)")
     return lines
 
 

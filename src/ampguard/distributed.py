@@ -92,6 +92,12 @@ def launched_by_torchrun() -> bool:
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: WORLD_SIZE=2 but RANK is not set: launch with torchrun (it sets RANK, MASTER_ADDR, MASTER_PORT), or unset WORLD_SIZE to train in one process
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "localhost",
+        ...                                            "MASTER_PORT": "99999"}):
+        ...     launched_by_torchrun()
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: MASTER_PORT=99999 with WORLD_SIZE=2: expected a whole number from 0 to 65535 (torchrun sets it; unset WORLD_SIZE to train in one process)
     """
     given = os.environ.get("WORLD_SIZE", "1")
     try:
@@ -107,6 +113,19 @@ def launched_by_torchrun() -> bool:
         if missing is not None:
             raise InputError(f"WORLD_SIZE={given} but {missing} is not set: launch with torchrun (it sets "
                              f"{', '.join(_LAUNCH_VARIABLES)}), or unset WORLD_SIZE to train in one process")
+        # their values too (a traceback from int() or from the rendezvous, exit 1, before)
+        for name, low, high in (("RANK", 0, size - 1), ("LOCAL_RANK", 0, None), ("MASTER_PORT", 0, 65535)):
+            text = os.environ.get(name)
+            if text is None:  # (LOCAL_RANK may be unset)
+                continue
+            try:
+                value = int(text)
+            except ValueError:
+                value = None
+            if value is None or value < low or (high is not None and value > high):
+                within = f"a whole number from {low} to {high}" if high is not None else f"a whole number >= {low}"
+                raise InputError(f"{name}={text} with WORLD_SIZE={given}: expected {within} (torchrun sets it; "
+                                 "unset WORLD_SIZE to train in one process)")
     return size > 1
 
 
