@@ -1174,7 +1174,7 @@ class RunMonitor:
             self.health.push(scale, record.skipped, search=record.reason == "non_finite_grad")
         opening = self.opening
         if not self.opening_settled and (self.in_opening or self.opening):
-            self._follow_opening(record)
+            self._follow_opening(record, ran_with)
         rate, over = self._judged()
         self._push_rate(rate)
         if self.opening <= opening:  # (a step of the opening search is set aside: judged 0, not at the end)
@@ -1184,18 +1184,23 @@ class RunMonitor:
         return self._events(record.step, rate, over, scale, bool(record.skipped),
                             overflowed=record.reason == "non_finite_grad", ran_with=ran_with)
 
-    def _follow_opening(self, record: StepRecord) -> None:
+    def _follow_opening(self, record: StepRecord, ran_with: float | None = None) -> None:
         """The scaler's opening search: gradient overflows in a row from step 1, set aside until
         a step applies (then for good: the search found a scale). A non-finite loss ends the
         streak (it is no search: it counts) but not the search: the overflows before it stay set
-        aside while a step may still apply. A streak of skips from step 1 that reaches the floor
-        with no step applied found no scale: it was no search, and the steps the fail-fast set
-        aside count now (each one skipped: a rate of 1.0, above any ``fail_rate`` below 1), so an
-        fp16 run that skips every step fails as early as a bf16 one could. (A run that ends with
-        its opening still provisional is judged whole at its end: :meth:`at_end`.)"""
+        aside while a step may still apply. A streak of skips from step 1 in which a step that
+        ran at the floor (``ran_with``, the scale the step ran with) skipped too found no scale:
+        it was no search, and the steps the fail-fast set aside count now (each one skipped: a
+        rate of 1.0, above any ``fail_rate`` below 1), so an fp16 run that skips every step fails
+        one step after its scale reaches the floor. The back-off that brings the scale to the
+        floor is not yet that: the floor is not tried (a search that lands on ``min_scale`` and
+        applies there counted its opening skips as failures, and a healthy run was failed,
+        review 51i). (A run that ends with its opening still provisional is judged whole at its
+        end: :meth:`at_end`.)"""
+        floored = ran_with <= self.health._floor if ran_with is not None else self.health.at_floor
         if not record.skipped:
             self.in_opening, self.opening_settled = False, True
-        elif self.scaler_enabled and self.health.at_floor:
+        elif self.scaler_enabled and floored:
             self._drop_opening()
         elif self.in_opening and self.scaler_enabled and record.reason == "non_finite_grad":
             self.opening += 1

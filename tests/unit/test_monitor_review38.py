@@ -330,3 +330,25 @@ def test_the_step_whose_back_off_reached_the_floor_is_alerted_in_its_own_words()
     m = RunMonitor(init_scale=1.0, min_scale=1.0)
     assert [e.message for e in m.observe(overflow(1))] == [
         "loss scale 1 is at its floor scaler.min_scale 1 and the step still overflowed: fp16 cannot hold these gradients"]
+
+
+# ---------------------------------------------------------------------------- review_51i F3
+
+
+@pytest.mark.parametrize("floor, fails", [(2.0**5, False), (2.0**4, False), (2.0**6, True)])
+def test_an_opening_search_that_lands_on_the_floor_and_applies_there_is_set_aside(floor, fails):
+    # eleven overflows from 2**16 bring the scale to 2**5, where every later step applies. With the
+    # floor at 2**5 the back-off to it counted the opening as failures (the floor not tried yet):
+    # ALERT and FAIL at step 100, exit 3, for the run that was the same step by step at 2**4.
+    # A floor of 2**6 is reached one step earlier and its step at the floor skips: that counts
+    m = RunMonitor(fail_rate=0.1, fail_after=100, min_scale=floor, init_scale=2.0**16)
+    kinds = []
+    for s in range(1, 201):
+        scale = max(2.0 ** (16 - s), floor)
+        record = overflow(s, scale) if s <= 11 else applied(s, scale)
+        kinds += [e.kind for e in m.observe(record)]
+        if m.failed:
+            break
+    assert ("fail" in kinds) is fails, kinds
+    if not fails:
+        assert m.judged_skip_rate == 0.0 and "skip_rate_alert" not in kinds
