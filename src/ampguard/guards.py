@@ -49,6 +49,9 @@ LOSS_SPIKE = "loss_spike"
 SKIP_GUARD = "skip_guard"
 VAL_REGRESSION = "val_regression"
 STRICT = "strict"
+UNSAVED = "; the model after it is not saved (a --resume goes on from the last checkpoint before it)"
+"""What a stop the rollback could not turn back adds where the model holds the update the guard
+rejected (:attr:`Stop.unsaved`)."""
 ROLLBACKS_USED_UP = "rollbacks_used_up"
 NO_CHECKPOINT = "no_checkpoint"
 INTERRUPTED = "interrupted"
@@ -73,11 +76,15 @@ class Rollback:
 
 @dataclass(frozen=True)
 class Stop:
-    """End the run with ``exit_code``; ``why`` is what the run card and the console say."""
+    """End the run with ``exit_code``; ``why`` is what the run card and the console say.
+    ``unsaved``: the model it stops with holds the update a guard rejected (a loss spike, a
+    held-out regression it could not roll back): no final checkpoint is saved of it, so the
+    newest one, which ``--resume`` takes, is from before it."""
 
     exit_code: ExitCode
     why: str
     kind: str
+    unsaved: bool = False
 
 
 Decision = Union[Continue, Rollback, Stop]
@@ -446,9 +453,13 @@ class Rollbacks:
             >>> trainer.sinks.close(); trainer.events.close(); shutil.rmtree(folder)
         """
         step = self.state.steps
+        # a spike's or a regression's update is in the model now: the run that stops keeps no checkpoint
+        # of it (the newest, which a --resume took and trained on from, held the spiked weights)
+        unsaved = decision.kind in (LOSS_SPIKE, VAL_REGRESSION)
+        kept = UNSAVED if unsaved else ""
         if len(self.log) >= self.cfg.max:
             return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; "
-                        + _used_up(self.cfg.max), ROLLBACKS_USED_UP)
+                        + _used_up(self.cfg.max) + kept, ROLLBACKS_USED_UP, unsaved)
         loaded, problem = None, None
         try:
             loaded = self.checkpointer.load(before_step=decision.first_bad_step)
@@ -461,8 +472,8 @@ class Rollbacks:
         if problem is None and len({name for name, _ in answers}) > 1:
             problem = f"the ranks found different checkpoints ({', '.join(str(name) for name, _ in answers)})"
         if problem is not None or loaded is None:
-            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {problem}",
-                        NO_CHECKPOINT)
+            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {problem}{kept}",
+                        NO_CHECKPOINT, unsaved)
         evidence = self._save_evidence(step, decision)  # before anything goes back
         # the step counter and the monitors' history go on; everything that trains goes back
         state = {**loaded.payload[STATE], "step": step, "monitors": {}}
@@ -497,8 +508,8 @@ class Rollbacks:
         elif decision.kind == SKIP_GUARD and self.evidence is not None and self.evidence.last_skipped is None:
             message += "; no batch saved (the skipped steps ran before this process resumed the run)"
         self.log.append(f"step {step}: {message}")
-        if self.spikes is not None:
-            self.spikes.reset()
+        if self.spikes is not None:  # the window the checkpoint kept: the losses of the model the run keeps
+            self.spikes.restore_or_reset((loaded.payload[STATE].get("monitors") or {}).get("loss_spike"))
         if self.events is not None:
             self.events.emit({"step": step, "event": "rollback", "message": message, "checkpoint": loaded.path.name,
                               "kind": decision.kind, "updates_undone": undone,

@@ -1970,12 +1970,20 @@ class RunMonitor:
             self.health.check_state(state["health"], f"{where}health.")
 
 
-class LossSpikeDetector:
-    """Flags a loss above ``mean + z * std`` of the last ``window`` applied steps' losses.
+SPIKE_STD_FLOOR = 2.0 ** -23  # (float32's machine epsilon)
+"""The smallest spread :class:`LossSpikeDetector` judges by, relative to the window's mean (at
+least 1): float32's resolution there."""
 
-    O(1) per step (rolling sums of x and x^2). Judges nothing until the window is full, and a
-    spike does not enter the window (so one spike does not hide the next). Non-finite losses are
-    the skip machinery's business, not this detector's.
+
+class LossSpikeDetector:
+    """Flags a loss above ``mean + z * std`` of the last ``window`` applied steps' losses (the
+    spread at least :data:`SPIKE_STD_FLOOR` times the mean: a window of equal losses).
+
+    O(1) per step (rolling sums of x and x^2). Judges nothing until the window is full (at the
+    run's start; a rollback takes back the checkpoint's window: :meth:`restore_or_reset`), and a
+    spike does not enter a full window (so one spike does not hide the next); while it fills,
+    every finite loss enters it. Non-finite losses are the skip machinery's business, not this
+    detector's.
 
     Example::
 
@@ -1998,15 +2006,44 @@ class LossSpikeDetector:
         w = self._sum
         if w.count >= w.size:
             mean = w.mean
-            std = math.sqrt(max(0.0, self._sq.total / w.size - mean * mean))
+            # (at least float32's resolution at the mean: a window of equal losses, a cross-entropy
+            # at 0 or stuck at ln 2, has no spread, and the next loss one rounding up was a "spike")
+            std = max(math.sqrt(max(0.0, self._sq.total / w.size - mean * mean)), SPIKE_STD_FLOOR * max(abs(mean), 1.0))
             if loss > mean + self.z * std:
                 return True
         self._sum.push(loss)
         self._sq.push(loss * loss)
         return False
 
+    def restore_or_reset(self, state: Any) -> None:
+        """After a rollback: the window the checkpoint it returns to kept (its losses are the
+        model's the run goes on with), or an empty one where it kept none that reads. Emptied,
+        the window judged nothing until it filled again (``rollback.window`` applied steps), and
+        a spike in that time joined it and hid the next ones (review 51i: spikes at 5, 7 and 9,
+        only 5 rolled back).
+
+        Example::
+
+            >>> d = LossSpikeDetector(window=2, z=1.0)
+            >>> d.check(1.0), d.check(1.0)
+            (False, False)
+            >>> kept = d.state_dict()
+            >>> d.check(1.5)  # a spike, rolled back
+            True
+            >>> d.restore_or_reset(kept); d.check(100.0)  # judged at once, against the checkpoint's window
+            True
+            >>> d.restore_or_reset(None); d.check(100.0)  # none kept: nothing to judge against
+            False
+        """
+        try:
+            self.check_state(state)
+        except ValueError:
+            self.reset()
+            return
+        self.load_state_dict(state)
+
     def reset(self) -> None:
-        """Forget the window (after a rollback).
+        """Forget the window (after a rollback to a checkpoint that kept none).
 
         Example::
 

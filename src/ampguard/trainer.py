@@ -395,8 +395,9 @@ class Trainer:
                     distributed.end_alone(int(stopped.exit_code))
                     return self._close(stopped, alone=True)
             full = stopped is not None and stopped.kind == DISK_FULL  # agreed: every rank skips the save
-            if clean and not full and self.state.steps > first_step:  # (a resumed complete run only rewrites its card)
-                self.save()
+            # (nor a model holding an update a guard rejected: Stop.unsaved)
+            if clean and not full and not (stopped is not None and stopped.unsaved) and self.state.steps > first_step:
+                self.save()  # (a resumed complete run only rewrites its card)
             return self._close(stopped)
 
     def _loop(self, stop: StopFlag) -> Stop | None:

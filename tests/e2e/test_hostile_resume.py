@@ -333,7 +333,8 @@ def test_the_data_bound_holds_for_a_real_run_with_a_rollback(tmp_path):
     also with ``rollback.skip_batches`` lowered (a recorded change: the rollback skipped 3)."""
     args = [*LINEAR, "--set", "steps=8", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=20",
             "--set", "accumulation_steps=2", "--inject", "spike@5", "--set", "rollback.triggers=[loss_spike]",
-            "--set", "rollback.window=3", "--set", "rollback.skip_batches=3", "--set", "log.every=1000"]
+            "--set", "rollback.window=3", "--set", "rollback.skip_batches=3", "--set", "log.every=1000",
+            "--set", "rollback.z=20"]  # (a window of 3 after the rollback, the checkpoint's, is tight: one spike)
     out = ok(train(tmp_path, "r", *args))
     assert "ROLLBACK 5" in out
     run = tmp_path / "r"

@@ -364,7 +364,7 @@ def test_after_rollback_max_rollbacks_the_next_one_stops(tmp_path, allowed):
     assert isinstance(decision, Stop) and decision.kind == g.ROLLBACKS_USED_UP and decision.exit_code == ExitCode.GUARD
     from ampguard.guards import _used_up
 
-    assert decision.why == f"stopped at step 20: loss spike; {_used_up(allowed)}"
+    assert decision.why == f"stopped at step 20: loss spike; {_used_up(allowed)}{g.UNSAVED}" and decision.unsaved
     assert w.parts[MODEL].value == "model@20" and len(w.rollbacks.log) == allowed and len(w.lines) == allowed
 
 
@@ -469,7 +469,7 @@ def test_a_rollback_goes_ahead_only_when_every_rank_loaded_the_checkpoint(tmp_pa
     decision = w.rollbacks.apply(Rollback(12, "loss spike", g.LOSS_SPIKE))
     assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT and decision.exit_code == ExitCode.GUARD
     assert decision.why == ("stopped at step 14: loss spike; cannot roll back: no loadable checkpoint before step 12 "
-                            "in ckpts")
+                            "in ckpts" + g.UNSAVED)
     assert {name: p.value for name, p in w.parts.items()}[MODEL] == "model@14"  # nothing restored on this rank
     assert w.rollbacks.log == []
 
@@ -483,7 +483,8 @@ def test_a_rollback_stops_when_the_ranks_found_different_checkpoints(tmp_path, m
     monkeypatch.setattr(distributed, "all_gather", OtherRank(("step-00000005.pt", None)))
     decision = w.rollbacks.apply(Rollback(12, "loss spike", g.LOSS_SPIKE))
     assert isinstance(decision, Stop) and decision.kind == g.NO_CHECKPOINT
-    assert decision.why.endswith("the ranks found different checkpoints (step-00000010.pt, step-00000005.pt)")
+    assert decision.why.endswith("the ranks found different checkpoints (step-00000010.pt, step-00000005.pt)"
+                                 + g.UNSAVED)
     assert w.parts[MODEL].value == "model@14"
 
 
