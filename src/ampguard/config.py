@@ -617,7 +617,8 @@ class MonitorConfig(_Section):
     """Also stop (exit 3, cause ``scale_collapse``) when ``fail_after`` consecutive steps are
     skipped with the loss scale at its floor ``scaler.min_scale``."""
     min_steps: Count0 = DEFAULT_MIN_STEPS
-    """Steps seen before the skip-rate ALERT is armed (default 100). While the window fills,
+    """Steps seen before the skip-rate ALERT is armed (default 100; a smaller ``window`` arms it
+    once full, after ``window`` steps). While the window fills,
     the rolling skip rate is over the steps seen so far, so the fp16 scaler's normal opening
     (its search down from ``init_scale`` skips a handful of early steps) would otherwise read
     as a rate near 100% and raise an ALERT in every fp16 run: k opening skips are k/n of the

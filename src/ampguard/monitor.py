@@ -890,8 +890,8 @@ class RunMonitor:
       clears when it falls to ``clear_rate`` or below (by default :data:`CLEAR_FRACTION` of
       ``alert_rate``: a rate hovering at the threshold is one episode), one event each, not one
       per step. It is armed
-      only once ``min_steps`` steps were seen, so a few skips early in the run (k of the first
-      n steps read k/n) do not raise it. A rollback's fresh window (:meth:`restart_windows`)
+      only once ``min(min_steps, window)`` steps were seen, so a few skips early in the run (k
+      of the first n steps read k/n) do not raise it. A rollback's fresh window (:meth:`restart_windows`)
       does not disarm it: while that window holds fewer than ``min(min_steps, window)`` steps
       its k skips count over that many (:meth:`_alert_judged`), and an ALERT up stays up.
     - A ``fail_rate`` changed mid-run (a resume with another ``monitor.fail_rate``, a replayed
@@ -1338,12 +1338,14 @@ class RunMonitor:
             never = (f"no step applied in {run(observed)} ({self.skips_text()}): its opening "
                      f"{counted(self.opening, 'gradient overflow')} found no scale that applied a step, and are "
                      "counted with the rest")
-        if (observed < self.min_steps or unsettled) and not self.alerting and rate > self.alert_rate:
+        if (observed < self.arms_at or unsettled) and not self.alerting and rate > self.alert_rate:
             self.alerting = True
             self.alert_episodes += 1
+            arming = f"monitor.min_steps {self.min_steps}" if self.min_steps <= self.window else \
+                f"monitor.window {self.window}"
             events.append(Event(step, "skip_rate_alert", never or (
                 f"skip rate {rate:.3f} > alert_rate {self.alert_rate:g} over {run(judged)}, which "
-                f"ended before the rolling ALERT armed (monitor.min_steps {self.min_steps})"), data))
+                f"ended before the rolling ALERT armed ({arming})"), data))
         if self.failed is None and self.fail_rate is not None and (
                 unsettled and rate > self.fail_rate
                 or observed < self.fail_after and self.min_judged_rate > self.fail_rate):
@@ -1461,16 +1463,23 @@ class RunMonitor:
 
     @property
     def alert_armed(self) -> bool:
-        """True once ``min_steps`` steps were observed: the ALERT may fire. A rollback
-        (:meth:`restart_windows`) does not disarm it: its young window is judged as
-        :meth:`_alert_judged` says.
+        """True once ``min(min_steps, window)`` steps were observed: the ALERT may fire (a
+        window smaller than ``min_steps`` is full, its rate the seed's, after ``window`` steps: a
+        burst of skips that filled it and left it before ``min_steps`` was never judged, its max
+        rolling rate 1.0 beside no ALERT). A rollback (:meth:`restart_windows`) does not disarm
+        it: its young window is judged as :meth:`_alert_judged` says.
 
         Example::
 
             >>> RunMonitor(min_steps=0).alert_armed, RunMonitor(min_steps=1).alert_armed
             (True, False)
         """
-        return self.observed >= self.min_steps
+        return self.observed >= self.arms_at
+
+    @property
+    def arms_at(self) -> int:
+        """The steps observed before the ALERT is armed: ``min(min_steps, window)``."""
+        return min(self.min_steps, self.window)
 
     def _young_after_restart(self) -> int:
         """``min(min_steps, window)`` while a window a rollback restarted (:meth:`restart_windows`)

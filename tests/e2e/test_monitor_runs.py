@@ -228,7 +228,8 @@ def test_demo_every_step_nan_fails_fast_at_fail_after():
 
 def test_train_alerts_once_per_episode(train):
     # The skip at step 3 is 1 of 3 steps seen (0.333 > 0.1) but the ALERT is not armed before
-    # monitor.min_steps (its default); the two episodes after it are.
+    # min(monitor.min_steps, window) = 10 steps, when the window reads 1 of 10 (not above 0.1);
+    # the two episodes after it are.
     min_steps = MonitorConfig().min_steps
     steps, window, alert = min_steps + 35, 10, 0.1
     late = [min_steps + d for d in (2, 3, 5, 20, 21)]
@@ -237,7 +238,7 @@ def test_train_alerts_once_per_episode(train):
     skipped = [fault.hits(s) for s in range(1, steps + 1)]
     rates = reference_rates(skipped, window)
     assert rates[2] > alert
-    expected = reference_episodes(rates, alert, min_steps=min_steps)
+    expected = reference_episodes(rates, alert, min_steps=min(min_steps, window))
     # with clear_rate 0.08 (0.8 x alert_rate) in a window of 10 an ALERT clears when its last skip leaves it
     assert expected == [(late[1], "ALERT"), (late[2] + 10, "CLEAR"), (late[4], "ALERT"), (late[4] + 10, "CLEAR")]
 

@@ -455,17 +455,19 @@ def test_monitor_clipping_off_never_counts_clips():
     assert m.clipped == 0 and m.clip_rate == 0.0
 
 
-@pytest.mark.parametrize("min_steps,first_alert", [(0, 3), (10, 10)])
+@pytest.mark.parametrize("min_steps,first_alert", [(0, 3), (6, 6), (10, 8)])
 def test_monitor_alerts_once_per_episode(min_steps, first_alert):
     skipped = [False] * 40
     for s in (3, 5, 6, 7, 25, 26, 28):
         skipped[s - 1] = True
     window, alert = 8, 0.2
     rates = reference_rates(skipped, window)
-    expected = reference_episodes(rates, alert, min_steps=min_steps)
+    expected = reference_episodes(rates, alert, min_steps=min(min_steps, window))
     assert [k for _, k in expected] == ["ALERT", "CLEAR", "ALERT", "CLEAR"]  # the pattern has two episodes
-    # Armed from step 0: step 3 is 1 skip in 3 steps (0.333). Armed at 10: the rate was above
-    # since step 3, the ALERT comes when it is armed, at step 10 (4 skips in the last 8).
+    # Armed from step 0: step 3 is 1 skip in 3 steps (0.333). Armed at 6: the rate was above since
+    # step 3, the ALERT comes when it is armed (4 skips in 6). min_steps 10 beyond the window of 8:
+    # armed once the window is full, at step 8 (4 skips in 8; review 51i: a burst that filled a
+    # small window and left it before min_steps was never judged)
     assert expected[0] == (first_alert, "ALERT")
     m = RunMonitor(window=window, alert_rate=alert, scaler_enabled=False, min_steps=min_steps)
     got = []
@@ -559,7 +561,8 @@ def test_monitor_applied_steps_at_the_floor_never_fail():
     m = RunMonitor(window=10, scaler_enabled=True, init_scale=2.0, min_scale=1.0,
                    fail_on_scale_collapse=True, fail_after=2)
     plan = [(1.0, True)] + [(1.0, False), (1.0, True)] * 20  # never two skips in a row at the floor
-    assert feed_scales(m, plan) == [(1, "scale_alert")]
+    # (half the steps skipped: the skip-rate ALERT too, once the window of 10 is full)
+    assert feed_scales(m, plan) == [(1, "scale_alert"), (10, "skip_rate_alert")]
     assert m.failed is None and m.at_floor_skipped == 1
 
 
@@ -590,7 +593,8 @@ def test_a_nan_loss_at_the_floor_is_alerted_as_what_it_is_not_as_an_overflow():
 
 def test_monitor_scale_collapse_without_fail_on_scale_collapse_only_alerts():
     m = RunMonitor(window=10, scaler_enabled=True, init_scale=2.0, min_scale=1.0, fail_after=2)
-    assert feed_scales(m, [(1.0, True)] * 30) == [(1, "scale_alert")]
+    # (every step skipped: the skip-rate ALERT too, once the window of 10 is full)
+    assert feed_scales(m, [(1.0, True)] * 30) == [(1, "scale_alert"), (10, "skip_rate_alert")]
     assert m.failed is None
 
 
@@ -1512,11 +1516,16 @@ def test_a_rollback_restarts_the_count_of_skips_at_the_scale_floor():
 
 
 def test_a_run_of_exactly_min_steps_is_judged_by_the_rolling_rule_not_again_at_its_end():
-    # review_tests14 #5: the window-not-yet-full edge at its boundary. 20 steps = min_steps, window 10:
-    # five skips early, the rolling rate 0 at the end (the whole run's 0.25): armed and judged, so
-    # at_end says nothing; one step fewer is a run too short to arm, judged whole at its end
-    assert _fed([True] * 5 + [False] * 15, window=10, min_steps=20).at_end(20) == []
-    assert [e.kind for e in _fed([True] * 5 + [False] * 14, window=10, min_steps=20).at_end(19)] == ["skip_rate_alert"]
+    # review_tests14 #5: the window-not-yet-full edge at its boundary. 20 steps = min_steps = window:
+    # five skips early: armed and judged at step 20 (the rolling rule's ALERT), so at_end says
+    # nothing; one step fewer is a run too short to arm, judged whole at its end
+    full = _fed([True] * 5 + [False] * 15, window=20, min_steps=20)
+    assert full.alert_episodes == 1 and full.at_end(20) == []
+    assert [e.kind for e in _fed([True] * 5 + [False] * 14, window=20, min_steps=20).at_end(19)] == ["skip_rate_alert"]
+    # review_51i: a window of 10 below min_steps 20 is armed once full, at step 10: the early burst
+    # alerts then (it had slid out of the window by step 20, unjudged: 0 episodes beside a max rate 0.5)
+    small = _fed([True] * 5 + [False] * 14, window=10, min_steps=20)
+    assert small.alert_episodes == 1 and small.at_end(19) == []
 
 
 # ---------------------------------------------------------------------------- LossSpikeDetector
