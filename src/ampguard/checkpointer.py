@@ -505,14 +505,24 @@ def lrs_from_schedule(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         >>> opt.param_groups[0]["lr"] = 1.0  # (the last step's, as a fast-path checkpoint holds it)
         >>> lrs_from_schedule(opt, schedule); opt.param_groups[0]["lr"]
         0.5
+        >>> opt.param_groups[0]["lr"] = torch.tensor(1.0)  # (a fast-path checkpoint's, on the exact path)
+        >>> lrs_from_schedule(opt, schedule); opt.param_groups[0]["lr"], schedule.get_last_lr()
+        (0.5, [0.5])
     """
     if not hasattr(scheduler, "get_last_lr"):
         return
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(float(lr))
+    # the exact path's LRs are Python floats: a fast-path checkpoint's float32 tensors, loaded into
+    # it, made every later step's LR (and steps.csv's) float32-rounded (review 51i); the fast
+    # path's DeviceLambdaLR drives tensors
+    exact = not hasattr(scheduler, "device_factor")
+    lrs = [float(lr) for lr in scheduler.get_last_lr()]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        if isinstance(group["lr"], torch.Tensor) and not exact:
+            group["lr"].fill_(lr)
         else:
-            group["lr"] = float(lr)
+            group["lr"] = lr
+    if exact:
+        scheduler._last_lr = lrs
 
 
 def set_base_lr(scheduler: Any, lr: float) -> None:

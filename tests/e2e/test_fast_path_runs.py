@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HostReads, read_events, read_rows, reference_fail_step, reference_rates, train
+from helpers import HostReads, ag, read_events, read_rows, reference_fail_step, reference_rates, train
 
 import ampguard.records
 from ampguard.config import validate
@@ -285,3 +285,18 @@ def test_the_gpt2_small_preset_sizes_the_model(tmp_path):
     code, out, err, run = _run(tmp_path, "clash", "--set", "task.name=charlm", "--set", "task.preset=gpt2-small",
                                "--set", "task.n_layer=4")
     assert code == 2 and "preset gpt2-small sets n_layer=12" in err and "drop n_layer=4" in err and not run.exists()
+
+
+def test_a_fast_checkpoint_resumed_on_the_exact_path_steps_at_the_exact_paths_lrs(tmp_path):
+    # review_51i F4: the fast checkpoint's float32 tensor LRs were filled in place on the exact path,
+    # whose every later LR (and steps.csv's) then read float32-rounded: 0.0016499999910593033 for 0.00165
+    run = ("--set", "task.name=linear", "--set", "log.plot=false", "--set", "eval.enabled=false", "--set", "steps=12",
+           "--set", "schedule.warmup=3", "--set", "schedule.decay=linear", "--set", "checkpoint.every=5",
+           "--inject", "nan_loss@2,5,6")
+    assert train(tmp_path, "exact", *run, "--set", "fast=false")[0] == 0
+    assert train(tmp_path, "fast", *run, "--set", "fast=true")[0] == 0
+    code, out, err = ag("train", "--resume", tmp_path / "fast" / "checkpoints" / "step-00000005.pt", "--set", "fast=false")
+    assert code == 0, err
+    exact = [r["lr"] for r in read_rows(tmp_path / "exact" / "steps.csv")]
+    resumed = [r["lr"] for r in read_rows(tmp_path / "fast" / "steps.csv")]
+    assert resumed[5:] == exact[5:] and "0.0016500000000000002" in exact
