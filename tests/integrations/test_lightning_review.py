@@ -303,3 +303,26 @@ def test_a_checkpoints_state_the_guard_refuses_is_one_line_naming_the_checkpoint
                                          r".*skip_window.* \(the plugin's settings, window= and scaler= among them, "
                                          r"must be the run's\)$"):
         fit(Digits(), AmpGuardPlugin("bf16-mixed", window=32), steps=8, ckpt_path=tmp_path / "at4.ckpt")
+
+
+# ---------------------------------------------------------------------------- review_51d
+
+
+def test_a_fast_dev_run_writes_no_csv_and_the_real_fit_after_it_trains(tmp_path):
+    # Lightning's smoke test writes no logs nor checkpoints; the plugin's CSV it wrote refused the
+    # real fit that followed ("steps.csv already exists")
+    csv = tmp_path / "steps.csv"
+    with pytest.warns(AmpguardWarning, match=r"fast_dev_run: csv=.* is not written"):
+        fit(Digits(), AmpGuardPlugin("bf16-mixed", csv=csv), steps=3, fast_dev_run=True)
+    assert not csv.exists()
+    fit(Digits(), AmpGuardPlugin("bf16-mixed", csv=csv), steps=2)
+    assert [r["step"] for r in rows(csv)] == ["1", "2"]
+
+
+def test_a_flag_that_is_not_a_bool_and_an_empty_csv_are_refused_up_front():
+    # "false", a non-empty string, turned the scale-collapse failure on; csv="" became ".", and the
+    # fit was refused about csv='.', a path never given
+    with pytest.raises(TypeError, match=r"fail_on_scale_collapse must be True or False, got 'false'"):
+        AmpGuardPlugin("16-mixed", fail_on_scale_collapse="false")
+    with pytest.raises(ValueError, match=r"AmpGuardPlugin\(csv=''\): give the path of the CSV file"):
+        AmpGuardPlugin("bf16-mixed", csv="")

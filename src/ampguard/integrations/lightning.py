@@ -204,6 +204,8 @@ class AmpGuardPlugin(_LightningPrecision):
         if csv is not None and not isinstance(csv, (str, os.PathLike)):
             raise TypeError(f"AmpGuardPlugin(csv={csv!r}): give the CSV's path (a str or a Path), or None")
         raw = os.fspath(csv) if csv is not None else None
+        if raw in ("", b""):  # (Path("") is ".": the fit was refused about csv='.', a path never given)
+            raise ValueError("AmpGuardPlugin(csv=''): give the path of the CSV file, e.g. 'steps.csv', or None")
         if isinstance(raw, str) and (raw.endswith(os.sep) or (os.altsep and raw.endswith(os.altsep))
                                      or os.path.basename(raw) in (".", "..")):
             # (Path drops a trailing "/" and "/.": csv="logs/" was written as a file named logs)
@@ -220,6 +222,8 @@ class AmpGuardPlugin(_LightningPrecision):
         self.max_norm = max_norm
         # ("~/steps.csv" is the home folder's, as Hugging Face's output_dir and ampguard's config paths)
         self.csv = Path(os.path.expanduser(csv)) if csv is not None else None
+        self._csv_on = self.csv is not None  # (this fit writes it: not under fast_dev_run)
+        self._said_fast_dev_run = False
         self.extra_sinks = list(sinks)
         self.log = log
         # ampguard train's and GuardedTrainer's floor: the scale never falls below 1.0 (a floor of
@@ -332,7 +336,8 @@ class AmpGuardPlugin(_LightningPrecision):
             self._accumulation = _group_size(module, trainer)
             self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
             self._unlogged_skips = {}  # (a fit's own: the last fit's unlogged skips are not this one's)
-            if self.csv is not None:
+            self._csv_on = self._csv_written(trainer)
+            if self._csv_on:
                 self._csv_fits.add(os.path.abspath(self.csv))
         return model, optimizers, lr_schedulers
 
@@ -354,8 +359,22 @@ class AmpGuardPlugin(_LightningPrecision):
             raise ValueError(_clip_refusal(trainer))
         if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
             raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
-        if trainer.is_global_zero and self.csv is not None:  # (rank 0's verdict on its CSV: the others never look)
+        if trainer.is_global_zero and self._csv_written(trainer):  # (rank 0's verdict on its CSV: the others never look)
             self._check_csv(trainer, len(optimizers))
+
+    def _csv_written(self, trainer: pl.Trainer) -> bool:
+        """Whether this fit writes ``csv``: not under ``fast_dev_run``, Lightning's smoke test,
+        which writes no logs nor checkpoints (its CSV then refused the real fit as "already
+        exists"; review 51d); said once."""
+        if self.csv is None:
+            return False
+        if trainer.fast_dev_run:
+            if not self._said_fast_dev_run:
+                self._said_fast_dev_run = True
+                rank_zero_warn(f"AmpGuardPlugin: fast_dev_run: csv={_said(self.csv)} is not written, as Lightning "
+                               "writes no logs in it (the sinks you gave are)", category=AmpguardWarning)
+            return False
+        return True
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
@@ -466,7 +485,7 @@ class AmpGuardPlugin(_LightningPrecision):
     def _open_sinks(self, trainer: pl.Trainer) -> list[Sink]:
         sinks: list[Sink] = []
         if trainer.is_global_zero:
-            if self.csv is not None:
+            if self.csv is not None and self._csv_on:
                 assert self.guard is not None  # (sinks open at the first record)
                 resumed = self._resumed_at is not None and self.csv.exists()
                 # with several optimizers each row names them and the ones skipped (a GAN's D and G rows)
