@@ -298,9 +298,10 @@ def test_the_callback_on_a_stock_gradscaler_writes_its_summary_and_judges_the_sc
     assert callback.monitor.min_scale == 1.0 and callback.monitor.opening == 0  # reached the floor: no search
     if fail_after is None:
         assert stopped_at == [] and summary["exit_code"] == 0 and summary["ended"] == "finished: 3 steps"
-    else:  # two steps above the 0.5 rate: the stop is asked at step 2 (a real Trainer then ends its loop)
-        assert stopped_at == [2] and summary["exit_code"] == 3, summary
-        assert summary["ended"].startswith("stopped by a guard at step 2: "), summary
+    else:  # the opening counts once a step at the floor (1.0, step 3) overflowed too: the stop is asked
+        # at step 3 (a real Trainer then ends its loop); review 51i: the back-off to the floor is not it
+        assert stopped_at == [3] and summary["exit_code"] == 3, summary
+        assert summary["ended"].startswith("stopped by a guard at step 3: "), summary
 
 
 # ---------------------------------------------------------------- HF's groups, resume, evaluation
