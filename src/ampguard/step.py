@@ -31,7 +31,7 @@ from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, 
 from .errors import AmpguardWarning, user_stacklevel, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
-from .watch import (_PROBING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
+from .watch import (_PROBING, STEPPING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
                     _parameter_count, _parameter_slots, _probe_autocast, _watch_registrations, first_forward_dtypes,
                     holds_gradients)
 
@@ -63,7 +63,10 @@ def _model_device(model: nn.Module) -> torch.device:
 def _modules(model: Models) -> list[nn.Module]:
     if isinstance(model, nn.Module):
         return [model]
-    modules = list(model.values()) if isinstance(model, Mapping) else list(model)
+    try:
+        modules = list(model.values()) if isinstance(model, Mapping) else list(model)
+    except TypeError:  # (None, a bound forward: list() raised a bare "'NoneType' object is not iterable")
+        raise ValueError(f"model must be an nn.Module or a list/dict of them, got {type(model).__name__}") from None
     bad = [m for m in modules if not isinstance(m, nn.Module)]
     if not modules or bad:
         raise ValueError(f"model must be an nn.Module or a list/dict of them, got {type(bad[0] if bad else model).__name__}")
@@ -737,7 +740,9 @@ class Guard:
         self._owed: _Owed | None = None  # inside a close, past its decision: what a raise leaves owed
         # the first step's forward: did it run under autocast? (_probe_autocast; gone after the first backward)
         self._forward_autocast: torch.dtype | bool | None = None  # (its autocast dtype, False: none)
-        self._autocast_probes = _probe_autocast(self, modules) if precision.autocasts else []
+        # (under fp32 too: a loop's own torch.autocast(float16) left in trained fp16 with no loss
+        # scaler, its records saying fp32, unsaid; review 51c)
+        self._autocast_probes = _probe_autocast(self, modules)
         # each leaf module's output dtype in the first forward under autocast() (None until then,
         # and in fp32): the layers autocast left in float32 (_noting_dtypes)
         self.autocast_dtypes: dict[str, str] | None = None
@@ -792,8 +797,8 @@ class Guard:
         under another autocast dtype than the guard's, is said once
         (:class:`~ampguard.errors.AmpguardWarning`): a loop that forgot ``with guard.autocast():``
         trains in float32, its loss scaled for nothing; one that kept its own
-        ``torch.autocast(dtype=torch.float16)`` under a bf16 guard runs fp16 with no loss scaler
-        (small gradients flush to zero), unsaid. A forward the probe did not see (compiled, or not
+        ``torch.autocast(dtype=torch.float16)`` under a bf16 or an fp32 guard runs fp16 with no
+        loss scaler (small gradients flush to zero), unsaid. A forward the probe did not see (compiled, or not
         through the model's ``__call__``) leaves the hooks in place (removing them would make
         ``torch.compile`` compile the model again) and says nothing."""
         seen, handles, self._autocast_probes = self._forward_autocast, self._autocast_probes, []
@@ -805,6 +810,8 @@ class Guard:
             if (probing := _PROBING.get(module)) is not None:
                 probing.discard(self)
         where = f"Guard(precision={self.precision.name!r}): the model's forward ran"
+        if seen is False and not self.precision.autocasts:  # (fp32: no autocast is the precision asked for)
+            return
         if seen is False:
             warnings.warn(f"{where} without autocast (outside `with guard.autocast():`): it computes in float32, no "
                           "mixed precision; put the forward and the loss inside that block", AmpguardWarning,
@@ -1486,7 +1493,7 @@ class Guard:
                     self.optimizers[name].step()
                     self._count_stepped(name)
             except BaseException:
-                if WATCHED.finished is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
+                if STEPPING.finished is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
                     self._count_stepped(name)
                 raise
 
@@ -1589,7 +1596,7 @@ class Guard:
             try:
                 self.optimizer.step()
             except BaseException:
-                if WATCHED.finished is self.optimizer:  # its update ran, a step post-hook raised: the step stands
+                if STEPPING.finished is self.optimizer:  # its update ran, a step post-hook raised: the step stands
                     self._settle_sync_free(found)
                 raise
             finally:
@@ -1899,6 +1906,9 @@ class AmpTrainState(Guard):
                  loss_fn: Callable[[Any, Any], torch.Tensor], **settings: Any) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError("AmpTrainState calls model(inputs): pass one module, or use Guard for several")
+        if not callable(loss_fn):  # (None failed at the first step: "'NoneType' object is not callable")
+            raise ValueError(f"AmpTrainState calls loss_fn(outputs, targets): it must be callable, got "
+                             f"{type(loss_fn).__name__}")
         super().__init__(model, optimizer, **settings)
         self.loss_fn = loss_fn
 

@@ -35,7 +35,7 @@ class _Watched:
     """What the hooks below count and note, process-wide (one object: ``step.py`` reads its
     attributes as they are now, which an imported global would not be)."""
 
-    __slots__ = ("registered", "buffers", "stepping", "finished")
+    __slots__ = ("registered", "buffers")
 
     def __init__(self) -> None:
         self.registered = 0
@@ -47,15 +47,28 @@ class _Watched:
         since a :class:`RunningStats` read its layers means a BatchNorm may have been made
         (``nn.BatchNorm1d(4, affine=False)`` registers buffers only, and ``Sequential.insert``
         nothing)."""
-        self.stepping = 0
-        """How many guards are inside their own ``optimizer.step()`` now (:func:`_refuse_stray_step`)."""
-        self.finished: Any = None
-        """The optimizer whose ``step()`` last finished its update (:func:`_mark_finished`, its first
-        step post-hook): an error from the ``step()`` call after it is a later post-hook's, the
-        update stands."""
 
 
 WATCHED = _Watched()
+
+
+class _Stepping(threading.local):
+    """Each thread's guards' own ``optimizer.step()`` calls: per thread, as the calls are (a
+    count the whole process shared let a loop's stray ``optimizer.step()`` in one thread through
+    while another thread's guard stepped: about half of them, each applying its gradients
+    unchecked, then again by its guard; review 51c)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        """How many guards are inside their own ``optimizer.step()`` now in this thread
+        (:func:`_refuse_stray_step`)."""
+        self.finished: Any = None
+        """The optimizer whose ``step()`` last finished its update in this thread
+        (:func:`_mark_finished`, its first step post-hook): an error from the ``step()`` call
+        after it is a later post-hook's, the update stands."""
+
+
+STEPPING = _Stepping()
 
 
 def _count_registration(*args: Any) -> None:
@@ -103,7 +116,7 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     and only with gradients there to apply. Between the guard's steps the optimizer is the
     caller's (no gradient is left to apply there: the guard drops them). On the guard's own steps
     one read of a counter."""
-    if WATCHED.stepping:
+    if STEPPING.count:
         return
     guards = _GUARDED.get(optimizer, ())
     if any(guard.micro_batches or guard.pending for guard in guards) and holds_gradients(optimizer):
@@ -115,25 +128,28 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
 
 
 def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if WATCHED.stepping:  # (the guard's own steps only; it lets go of the optimizer after each)
-        WATCHED.finished = optimizer
+    if STEPPING.count:  # (the guard's own steps only; it lets go of the optimizer after each)
+        STEPPING.finished = optimizer
 
 
 class _GuardStepping:
     """``with _GuardStepping():`` around a guard's own ``optimizer.step()`` calls:
-    :func:`_refuse_stray_step` lets them through, and ``WATCHED.finished`` (which one finished its
-    update) is put back as it was after (another guard's, when this step runs inside its
-    optimizer's post-hook). A class, not a generator: a quarter of the cost on the hot path."""
+    :func:`_refuse_stray_step` lets them through in this thread, and ``STEPPING.finished`` (which
+    one finished its update) is put back as it was after (another guard's, when this step runs
+    inside its optimizer's post-hook). A class, not a generator: a quarter of the cost on the hot
+    path."""
 
     __slots__ = ("finished",)
 
     def __enter__(self) -> None:
-        WATCHED.stepping += 1
-        self.finished = WATCHED.finished
+        stepping = STEPPING
+        stepping.count += 1
+        self.finished = stepping.finished
 
     def __exit__(self, *exc: object) -> None:
-        WATCHED.stepping -= 1
-        WATCHED.finished = self.finished
+        stepping = STEPPING
+        stepping.count -= 1
+        stepping.finished = self.finished
 
 
 def holds_gradients(optimizer: Any) -> bool:
