@@ -1311,7 +1311,7 @@ def _short(value: Any) -> str:
     return shortened(repr(value), 80)
 
 
-def check_resume(resume: Resume, config: Config, world_size: int | None = None) -> None:
+def check_resume(resume: Resume, config: Config, world_size: int | None = None, rank: int = 0) -> None:
     """Refuse a resume that would make the run differ from the uninterrupted one: a fixed config
     key changed (:data:`RESUME_FIXED`, naming the exact field), a checkpoint beyond ``steps``, a
     data position beyond what its steps could have taken (``step x accumulation_steps +
@@ -1358,6 +1358,11 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None) 
         for part in key.split("."):
             a = a.get(part) if isinstance(a, dict) else None  # a checkpoint may lack a whole section
             b = b.get(part)
+        if rank > 0 and key == "task" and isinstance(a, dict) and isinstance(b, dict):
+            # a node's own task.options (its data path), as the run began with (check_same_configs
+            # warns): the checkpoint's config is rank 0's, and a rank that gave its own again was
+            # refused alone, the run never resumable (review 51g)
+            a, b = {**a, "options": None}, {**b, "options": None}
         while isinstance(a, dict) and isinstance(b, dict):  # name the exact field, e.g. task.options.cap
             diff = _first_difference(a, b)
             if diff is None:

@@ -283,7 +283,7 @@ def _refused_before_the_run(config: Any, resume: Any) -> None:
     world = distributed.launched_world_size()
     check_fast(config, world)
     if resume is not None:
-        ck.check_resume(resume, config, world)
+        ck.check_resume(resume, config, world, distributed.launched_rank())
         ck.check_left_to_train(resume, config)
     elif config.log.name and (Path(config.log.dir) / config.log.name).exists():
         raise taken(Path(config.log.dir) / config.log.name)

@@ -143,6 +143,20 @@ def launched_world_size() -> int:
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
 
 
+def launched_rank() -> int:
+    """This process's ``RANK`` under torchrun (checked by :func:`launched_by_torchrun`), 0 when
+    not launched so: before the process group is joined.
+
+    Example::
+
+        >>> import unittest.mock
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "3"}):
+        ...     launched_rank()
+        0
+    """
+    return int(os.environ["RANK"]) if launched_by_torchrun() else 0
+
+
 def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
     """Join the process group torchrun describes; pick this rank's device and the backend."""
     use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())

@@ -81,7 +81,7 @@ import time
 from pathlib import Path
 
 from helpers import (EARLY_TIMEOUT_S, RANK_EXIT, TORCHRUN, Batch, Ended, Launch, Run, end_launches, rank_codes,
-                     run_events, snapshot_of, torchrun_env)
+                     read_rows, run_events, snapshot_of, torchrun_env)
 
 from ampguard.errors import ExitCode
 
@@ -90,7 +90,7 @@ pytestmark = TORCHRUN
 TIMEOUT_S = EARLY_TIMEOUT_S
 # their ranks end together: one launch (helpers.Batch), in this order; S last, the launch's own end
 # (O and L: a SIGTERM that every rank agrees on; each run begins with a fresh process's handlers)
-BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "B", "O", "L", "F", "S")
+BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "N", "Y", "B", "O", "L", "F", "S")
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -214,6 +214,8 @@ class Batches:
 
 
 def build(config):
+    if str(config.task.options.get("missing_on", "")) == os.environ["RANK"]:  # (a node's own file, missing)
+        raise FileNotFoundError(f"node_data/rank{os.environ['RANK']}.pt")
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(8)]
@@ -265,6 +267,8 @@ def early(work: Path) -> dict[str, tuple]:
         "B": [*KILLED_RUN[:-1], "log.name=B"],
         "B1": [*KILLED_RUN[:-1], "log.name=B1"],
         "M": [*KILLED_RUN[:-1], "log.name=M", "--set", "task.options.table=3"],
+        "N": [*KILLED_RUN[:-1], "log.name=N", "--set", "task.options.missing_on=1"],
+        "Y": [*KILLED_RUN[:-1], "log.name=Y", "--set", "steps=2", "--set", "task.options.node=a"],
         "G": [*RUN, "--set", "steps=4", "--set", "log.name=G"],
         "T": [*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
               "--set", "log.name=T"],
@@ -273,7 +277,8 @@ def early(work: Path) -> dict[str, tuple]:
     # (no test here reads a plot: rank 0 drawing one costs seconds of CPU)
     specs = {name: [*args, "--set", "log.plot=false"] for name, args in specs.items()}
     sizes = {"D": 2000}  # (ulimit -f: rank 0's CSV finds no room)
-    rank_1 = {"C": ["--set", "optimizer.lr=0.5"], "M": ["--set", "task.options.table=5"]}  # rank 1's own --set
+    rank_1 = {"C": ["--set", "optimizer.lr=0.5"], "M": ["--set", "task.options.table=5"],  # rank 1's own --set
+              "Y": ["--set", "task.options.node=b"]}
     own_env = {"W": {"KILL_RANK_1": "1"}, "H": {"HANG_RANK_1": "1"}, "O": {"TERM_RANK_1": "1"}, "L": {"LATE_TERM": "1"}, "G": {"TERM_RANK_0_OPENING": "1"},
                "B": {"DATA_RAISES": "every"}, "B1": {"DATA_RAISES": "1"}}
     started: dict[str, Launch] = {}
@@ -313,6 +318,9 @@ def early(work: Path) -> dict[str, tuple]:
             "Q": Run(["train", "--resume", str(k_run / "checkpoints" / "step-00000004.pt")],
                      ["--resume", str(k_run / "checkpoints" / "step-00000006.pt")]),
             "W-resume": Run(["train", "--resume", str(w_run)]),
+            # Y resumed, each node given its own task.options again (rank 1 was refused alone: review 51g)
+            "Y-resume": Run(["train", "--resume", str(work / "Y" / "runs" / "Y"), "--set", "steps=4", "--set",
+                             "task.options.node=a"], ["--set", "task.options.node=b"]),
             # G last (rank 0, stopped in its start-up, leaves the process group, as a launch's own would)
             "G": Run(specs["G"], env=own_env["G"])}, work, timeout_s=TIMEOUT_S, env=env, prelude=PATCHES)
         started["resumes"] = resumes.launch
@@ -630,6 +638,24 @@ def test_ranks_whose_options_build_models_of_other_shapes_are_refused_before_any
             "value that differs between the ranks?); every rank must build the same model")
     assert [x for x in err.splitlines() if "ampguard: error: " in x] == [line, line]  # (once per process)
     assert not (cwd / "runs").exists() and "[rank" not in err  # (no rank's traceback)
+
+
+def test_a_start_up_refusal_on_one_rank_alone_is_every_ranks_with_its_line(launches):
+    # review_51g: rank 1's factory could not read its node's file: rank 1 exit 2, rank 0 "ampguard:
+    # interrupted", exit 143, waiting for torchrun's SIGTERM in its next collective
+    code, out, err, cwd = launches["N"]
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = [x for x in err.splitlines() if x.startswith("ampguard: ")]
+    assert len(lines) == 2 and len(set(lines)) == 1 and "FileNotFoundError: node_data/rank1.pt" in lines[0], lines
+    assert not (cwd / "runs").exists()
+
+
+def test_a_run_whose_nodes_have_their_own_task_options_resumes_with_them(launches):
+    # review_51g: the checkpoint's config is rank 0's; rank 1 given its own option again was refused
+    # alone ("task.options.node was 'a' ..., now 'b'"), the run never resumable
+    code, out, err, cwd = launches["Y-resume"]
+    assert rank_codes(cwd) == {0: 0, 1: 0}, f"torchrun exited {code}\n{err[-3000:]}"
+    assert [r["step"] for r in read_rows(cwd.parent / "Y" / "runs" / "Y" / "steps.csv")] == ["1", "2", "3", "4"]
 
 
 def test_ranks_given_different_resume_checkpoints_are_refused_before_anything_is_cut(launches):
