@@ -730,6 +730,24 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     return held
 
 
+def _another_rank() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` where torchrun started this process as a rank other than 0 of a
+    world of several (values that do not read as such: None, the verb runs as anywhere).
+
+    Example::
+
+        >>> import unittest.mock
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+        ...     _another_rank()
+        (1, 2)
+    """
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return None
+    return (rank, world) if world > 1 and 0 < rank < world else None
+
+
 def entry() -> int:
     """The ``ampguard`` command (the console script; ``python -m ampguard``): :func:`main` on this
     process's own command line. The process ends next, so once the exit code is decided a SIGTERM
@@ -794,6 +812,12 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
                 # (the CPU demo is fp16 on purpose: quiet)
                 held = _slow_precision_in_one_line(quiet=args.func is _demo, console=console)
                 console.result = _result_on_stdout(args)
+                other = _another_rank() if args.func not in (_demo, _train) else None
+                if other is not None:  # (each rank ran it whole: two reports, or one rank refused the
+                    # other's --out folder and the job failed for an ACCEPTED validation; review 51g)
+                    print(f"ampguard: {args.verb} runs in one process: this is rank {other[0]} of {other[1]} "
+                          "(torchrun's RANK, WORLD_SIZE), rank 0 runs it", file=sys.stderr)
+                    return 0
                 with terminated_as_interrupted(settle=settle):
                     code = int(args.func(args))
             held.release()

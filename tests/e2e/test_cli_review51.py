@@ -84,3 +84,19 @@ def test_a_dotted_or_empty_key_in_a_file_is_named_as_such(tmp_path):
         "dotted keys are --set's spelling")
     assert one_error_line(ag("train", tmp_path / "empty.yaml", "--print-config")) == (
         "ampguard: error: config: optimizer: an empty key ('')")
+
+
+def test_a_verb_for_one_process_under_torchrun_runs_on_rank_0_alone(tmp_path):
+    # review_51g: every rank ran validate whole: with --out one rank refused the other's folder
+    # (exit 2, the job failed for an ACCEPTED validation), without it two reports and two records
+    out = tmp_path / "v"
+    argv = ["validate", *LINEAR, "--set", "validation.precisions=[bf16]", "--set", "validation.max_mse=100",
+            "--set", f"log.dir={tmp_path}", "--out", out]
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+        code, stdout, err = ag(*argv)
+    assert code == 0 and err.splitlines() == [
+        "ampguard: validate runs in one process: this is rank 1 of 2 (torchrun's RANK, WORLD_SIZE), rank 0 runs it"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0"}):
+        code, stdout, err = ag(*argv)
+    assert code in (0, 1) and (out / "validation.json").exists(), err
