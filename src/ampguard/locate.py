@@ -1473,8 +1473,8 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
 
     # with --json, stdout is the one JSON line: what a user's factory or model prints goes to stderr
     with redirect_stdout(sys.stderr) if as_json else nullcontext():
-        result, where, device, loss_scale, saved_step = _replay(config, step=step, batch=batch, checkpoint=checkpoint,
-                                                                scale=scale)
+        result, where, device, (loss_scale, scale_from), saved_step = _replay(
+            config, step=step, batch=batch, checkpoint=checkpoint, scale=scale)
     if as_json:
         print(json.dumps({"where": where, **result.as_dict()}))
     else:
@@ -1483,26 +1483,33 @@ def run(config: Any, *, step: int = 1, batch: str | None = None, checkpoint: str
     if not checkpoint:  # (a loss that is not the run's, said nowhere: the weights were not the run's)
         print(f"ampguard: warning: locate: {untrained_replay(config)}", file=sys.stderr)
     elif not batch and saved_step is not None and saved_step >= step:  # (a later one: not the step as it ran)
-        print(f"ampguard: warning: locate: {later_checkpoint(checkpoint, saved_step, step, loss_scale)}",
+        print(f"ampguard: warning: locate: {later_checkpoint(checkpoint, saved_step, step, loss_scale, scale_from)}",
               file=sys.stderr)
     return 0 if result.verdict == "none" else 1
 
 
-def later_checkpoint(path: str, saved_step: int, step: int, loss_scale: float) -> str:
+def later_checkpoint(path: str, saved_step: int, step: int, loss_scale: float, scale_from: str = "checkpoint") -> str:
     """The warning for a replay of ``step`` from a checkpoint saved at or after it: its weights
     and loss scale are not the ones the step ran with (a newer scale may be smaller, and an
     overflow of the step not happen again), though they may be what the user asks about (a
-    diverged run's last weights on a batch).
+    diverged run's last weights on a batch). ``scale_from``: where the replay's scale came from
+    (``checkpoint``, ``--scale``, ``init``: ``scaler.init_scale``, the checkpoint holding none,
+    a bf16 run's replayed under fp16; ``none``: no loss scaler).
 
     Example::
 
         >>> print(later_checkpoint("step-00000020.pt", 20, 5, 512.0))
         --checkpoint step-00000020.pt holds the weights after step 20, not those step 5 ran with (after step 4): the replay ran them, at their loss scale 512, on step 5's batch; pass a checkpoint saved before step 5 (the run's newest before it) to replay the step as it ran
+        >>> print(later_checkpoint("step-00000020.pt", 20, 5, 65536.0, "init").split(": ")[1].split(";")[0])
+        the replay ran them, at scaler.init_scale 65536 (the checkpoint holds no loss scale), on step 5's batch
     """
+    at = {"checkpoint": f"at their loss scale {loss_scale:g}", "--scale": f"at --scale {loss_scale:g}",
+          "init": f"at scaler.init_scale {loss_scale:g} (the checkpoint holds no loss scale)",
+          "none": "with no loss scaler"}.get(scale_from, f"at loss scale {loss_scale:g}")
     return (f"--checkpoint {path} holds the weights after step {saved_step}, not those step {step} ran with "
-            f"({f'after step {step - 1}' if step > 1 else 'the initial ones'}): the replay ran them, at their loss "
-            f"scale {loss_scale:g}, on step {step}'s batch; pass a checkpoint saved before step {step} (the run's "
-            f"newest before it) to replay the step as it ran")
+            f"({f'after step {step - 1}' if step > 1 else 'the initial ones'}): the replay ran them, {at}, on step "
+            f"{step}'s batch; pass a checkpoint saved before step {step} (the run's newest before it) to replay the "
+            f"step as it ran")
 
 
 def untrained_replay(config: Any) -> str:
@@ -1586,7 +1593,11 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     result.scale_floor = config.scaler.min_scale if scaler_on else None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return result, where, device, loss_scale, saved_step
+    # where the scale came from, for a later checkpoint's warning ("their loss scale" was said of
+    # --scale's and of scaler.init_scale's where the checkpoint held none: review 51h)
+    scale_from = ("--scale" if scale is not None else "none" if not scaler_on else
+                  "batch" if batch_scale is not None else "checkpoint" if checkpoint_scale is not None else "init")
+    return result, where, device, (loss_scale, scale_from), saved_step
 
 
 def _injected_at(faults: list[Any], step: int) -> str:

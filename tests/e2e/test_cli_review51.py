@@ -100,3 +100,23 @@ def test_a_verb_for_one_process_under_torchrun_runs_on_rank_0_alone(tmp_path):
     with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0"}):
         code, stdout, err = ag(*argv)
     assert code in (0, 1) and (out / "validation.json").exists(), err
+
+
+def test_locates_later_checkpoint_warning_names_where_the_loss_scale_came_from(tmp_path):
+    # review_51h: "at their loss scale 8" for --scale 8, and "their loss scale 65536" for a bf16
+    # checkpoint (none held) replayed under fp16: scaler.init_scale's
+    for name, precision in (("f16", "fp16"), ("b16", "bf16")):
+        ok(train(tmp_path, name, *LINEAR, "--set", f"precision={precision}", "--set", "steps=4",
+                 "--set", "checkpoint.every=2"))
+    base = [*LINEAR, "--set", "precision=fp16", "--set", "steps=4"]
+
+    def warned(*argv):
+        code, out, err = ag("locate", *base, *argv)
+        return next(line for line in err.splitlines() if line.startswith("ampguard: warning: locate: --checkpoint"))
+
+    f16, b16 = (tmp_path / n / "checkpoints" / "step-00000004.pt" for n in ("f16", "b16"))
+    assert "the replay ran them, at --scale 8, on step 3's batch" in warned("--checkpoint", f16, "--step", "3",
+                                                                             "--scale", "8")
+    assert "at their loss scale " in warned("--checkpoint", f16, "--step", "3")
+    assert ("the replay ran them, at scaler.init_scale 65536 (the checkpoint holds no loss scale), on step 3's batch"
+            in warned("--checkpoint", b16, "--step", "3"))
