@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inf-at", type=int, default=None, help="write inf into a gradient at this step")
     parser.add_argument("--inf-rank", type=int, default=0, help="... on this process only")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps is a whole number >= 1")
 
     # ampguard does the autocast and the loss scaling; cpu=True: gloo processes where there is no GPU
     accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())

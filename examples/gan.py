@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default="gan.csv")
     parser.add_argument("--inf-at", type=int, default=None, help="overflow the generator's gradient in this iteration")
     args = parser.parse_args(argv)
+    if min(args.iterations, args.batch) < 1:  # (a batch of 0 trained on NaN losses, every step skipped, exit 0)
+        parser.error("--iterations and --batch are whole numbers >= 1")
     try:
         return train(args)
     except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line

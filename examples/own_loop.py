@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default="steps.csv")
     parser.add_argument("--nan-at", type=int, default=None, help="make the loss of this step non-finite")
     args = parser.parse_args(argv)
+    if min(args.steps, args.accumulation_steps) < 1:  # (0 was a traceback from Guard(), or a run of nothing)
+        parser.error("--steps and --accumulation-steps are whole numbers >= 1")
     try:
         return train(args)
     except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line

@@ -138,3 +138,14 @@ def test_own_loop_run_again_as_a_script_exits_2_without_a_traceback(script_run_a
     lines = [line for i, line in enumerate(lines) if i not in warned and i - 1 not in warned]
     assert lines == ["own_loop.py: error: steps.csv already exists; refusing to overwrite it"], again.stderr
     assert earlier.read_text(encoding="utf-8") == "step,lr\n1,0.1\n"
+
+
+@pytest.mark.parametrize("name, argv", [("own_loop", ["--accumulation-steps", "0"]), ("own_loop", ["--steps", "0"]),
+                                        ("gan", ["--batch", "0"]), ("accelerate_guard", ["--steps", "0"])])
+def test_an_example_refuses_a_count_below_1_as_a_usage_error(tmp_path, monkeypatch, capsys, name, argv):
+    # review_51h: --accumulation-steps 0 was Guard()'s ValueError traceback, exit 1; --batch 0 trained
+    # on NaN losses, every step skipped, exit 0
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        _load(name).main(argv)
+    assert stop.value.code == 2 and "error: --" in capsys.readouterr().err and not list(tmp_path.iterdir())
