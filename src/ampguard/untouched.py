@@ -174,6 +174,10 @@ class BufferSnapshot:
             for name, t in _trainable_attributes(m):
                 self.names.setdefault(id(t), []).append(f"{prefix}.{name}" if prefix else name)
         self.generators = _generators_in(self.attributes, self.also, tuple(self.also_named))
+        # the objects of the user's own classes among the modules' attributes (a curriculum's counter,
+        # ``self.curriculum.tick()``) by their attributes, and small NumPy arrays by a copy (``self.hist[0]
+        # += 1``): the forward changed them in place, unput back and unsaid (review 51c)
+        self.objects, self.arrays = _attribute_objects(self.attributes)
         self.global_hooks = _global_hooks()  # (a setup a pass did outside the model: registered_outside)
         self.trained = frozenset(self.names)  # (what a hook's record of parameters holds: no capture)
         self.own = _memories(model.modules())  # (the model's parameters and buffers, by memory: no hook's tensors)
@@ -253,6 +257,8 @@ class BufferSnapshot:
         finally:
             _generators_back(self.generators)
             left = _put_attributes_back(self.attributes, passes, self.trained, self.registered_outside())
+            if left is None:  # (where the modules stay as the pass left them, these do too)
+                _objects_back(self.objects, self.arrays)
         if failed:
             said = listed([f"{name} (a {type(b).__name__}: {first_line(err)})" for name, b, err in failed], 2,
                           more=f" and {len(failed) - 2} more")
@@ -1077,6 +1083,9 @@ def _generators_in(kept: list[_Kept], also: list[tuple[Any, ...]] = (), callable
         for _, held, hooks, _ in kept:
             for v in held.values():
                 yield from few(v)
+                if _user_made(v) and isinstance(getattr(v, "__dict__", None), dict):  # (a helper's own: 51c)
+                    for x in list(vars(v).values()):
+                        yield from few(x)
             for _, _, before, states in hooks:  # (per-layer generators in a closure's list: review 43h)
                 for pieces in states.values():
                     yield from in_pieces(pieces)
@@ -1098,6 +1107,52 @@ def _generators_in(kept: list[_Kept], also: list[tuple[Any, ...]] = (), callable
             if back is not None:
                 found[id(v)] = back
     return list(found.values())
+
+
+def _attribute_objects(kept: list[_Kept]) -> tuple[list[tuple[Any, dict[str, Any]]], list[tuple[Any, Any]]]:
+    """What :meth:`BufferSnapshot.put_back` gives back of the modules' attributes beyond the
+    attributes themselves: each object of a class the user wrote (:func:`_user_made`) with its
+    own attributes by reference, and each small writable NumPy array (at most
+    :data:`_INNER_MOST` elements, not of objects) with a copy of it; each once.
+
+    Example::
+
+        >>> import numpy as np
+        >>> m = torch.nn.Linear(1, 1)
+        >>> m.tick, m.hist = types.SimpleNamespace(seen=0), np.zeros(2)  # (a record of the user's)
+        >>> memo = {}
+        >>> objects, arrays = _attribute_objects([_kept_module(m, memo)])
+        >>> m.tick.seen += 1; m.hist[0] += 1
+        >>> _objects_back(objects, arrays); m.tick.seen, m.hist.tolist()
+        (0, [0.0, 0.0])
+    """
+    objects: dict[int, tuple[Any, dict[str, Any]]] = {}
+    arrays: dict[int, tuple[Any, Any]] = {}
+    for _, held, _, _ in kept:
+        for v in held.values():
+            if id(v) in objects or id(v) in arrays:
+                continue
+            if _is_numpy_array(v):
+                if v.size <= _INNER_MOST and v.dtype != object and v.flags.writeable:
+                    arrays[id(v)] = (v, v.copy())
+            elif _user_made(v) and isinstance(getattr(v, "__dict__", None), dict):
+                objects[id(v)] = (v, dict(vars(v)))
+    return list(objects.values()), list(arrays.values())
+
+
+def _objects_back(objects: list[tuple[Any, dict[str, Any]]], arrays: list[tuple[Any, Any]]) -> None:
+    """:func:`_attribute_objects`' objects given their attributes back (one added taken out) and
+    its arrays their values (one that refuses is left: the put-back goes on)."""
+    for obj, attributes in objects:
+        with contextlib.suppress(Exception):
+            now = vars(obj)
+            if now != attributes or any(now[k] is not v for k, v in attributes.items()):
+                now.clear()
+                now.update(attributes)
+    for array, saved in arrays:
+        with contextlib.suppress(Exception):
+            if array.shape == saved.shape:
+                array[...] = saved
 
 
 def _generators_back(generators: list[Callable[[], None]]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -411,3 +412,46 @@ def test_a_private_counter_the_forward_moves_is_put_back():
     model = PrivateCounter()
     check_forward(model, F.mse_loss, lambda: (torch.ones(2, 2), torch.zeros(2, 2)), FP32, "f.py:build")
     assert model._step == 0
+
+
+# ---------------------------------------------------------------------------- review_51c
+
+
+class Curriculum:  # a helper of the user's, held by the model, changed in place by its forward
+    def __init__(self):
+        self.seen = 0
+        self.g = torch.Generator().manual_seed(0)
+
+    def tick(self, x):
+        self.seen += 1
+        return x * (torch.rand(x.shape, generator=self.g) > 0.1)
+
+
+class WithHelpers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.curriculum = Curriculum()
+        self.hist = np.zeros(2)
+
+    def forward(self, x):
+        self.hist[0] += 1
+        return self.fc(self.curriculum.tick(x))
+
+
+def test_the_start_up_check_and_the_diagnosis_put_back_a_helper_object_and_an_array_the_forward_changed():
+    # the check left curriculum.seen at 1, hist at [1, 0] and the helper's generator advanced, unsaid;
+    # diagnose's FP32 replay began from the AMP pass's state
+    from ampguard.locate import diagnose
+
+    def batch():
+        return torch.ones(4, 3), torch.zeros(4, 1)
+
+    for replay in (lambda m: check_forward(m, nn.functional.mse_loss, batch, Precision("fp32", "cpu"), "toy"),
+                   lambda m: diagnose(m, nn.functional.mse_loss, torch.full((4, 3), float("nan")), torch.zeros(4, 1),
+                                      Precision("bf16", "cpu"))):
+        model = WithHelpers()
+        state = model.curriculum.g.get_state().clone()
+        replay(model)
+        assert model.curriculum.seen == 0 and model.hist.tolist() == [0.0, 0.0]
+        assert torch.equal(model.curriculum.g.get_state(), state)
