@@ -99,6 +99,17 @@ def test_charlm_held_out_batches_do_not_move_with_the_run_seed(monkeypatch):
     assert len(seen) == 2 and same_batches(seen[0], seen[1])
 
 
+def test_charlm_makes_its_held_out_batches_at_the_first_evaluation_only(monkeypatch):
+    # review_51f: eval.batches were made with the task, evaluation on or off (20,000 held 1.2 GB)
+    made: list[int] = []
+    real = charlm.held_out_batches
+    monkeypatch.setattr(charlm, "held_out_batches", lambda *a: made.append(a[2]) or real(*a))
+    task = build_task(load_config(None, [*TINY_LM, "eval.batches=2"]))
+    assert made == []
+    first = task.evaluate(task.model, torch.device("cpu"))
+    assert task.evaluate(task.model, torch.device("cpu")) == first and made == [2]  # (made once)
+
+
 def test_digits_split_is_fixed_and_disjoint():
     from sklearn.datasets import load_digits
 
