@@ -365,6 +365,31 @@ def _number_check(value: Any) -> Any:
     return value
 
 
+_BOOL_WORDS = frozenset({"true", "false", "yes", "no", "on", "off"})
+"""The text a boolean setting takes (YAML 1.2 reads yes/no/on/off as text: README)."""
+
+
+def _bool_check(value: Any) -> Any:
+    """The check before a boolean setting: true or false (or yes/no, on/off), not a number and
+    not other text: pydantic's lax mode read ``compile: 1``, ``fast: 1.0`` and ``strict: "1"`` as
+    true (review 51f), where a number setting refuses a boolean.
+
+    Example::
+
+        >>> validate({"compile": 1})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.ConfigError: config: compile: expected true or false, got 1
+        >>> validate({"compile": "yes"}).compile, validate({"fast": None}).fast
+        (True, None)
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+        return value
+    raise ValueError(f"expected true or false, got {'the text ' if isinstance(value, str) else ''}{brief(value)}")
+
+
 def _at_least(low: float, *, strict: bool = False, finite: bool = False) -> Any:
     """A bound as a reusable validator: ``>= low`` (``> low`` when strict), finite if asked."""
     relation = ">" if strict else ">="
@@ -414,6 +439,7 @@ def _rate(value: float) -> float:
 HomePath = Annotated[str | None, AfterValidator(_path)]  # a path setting: ~ is the home folder, no control character
 Int = Annotated[int, BeforeValidator(_number_check)]
 Float = Annotated[float, BeforeValidator(_number_check)]
+Bool = Annotated[bool, BeforeValidator(_bool_check)]
 _COUNT_CAP = AfterValidator(lambda v: _at_most(v, MAX_COUNT))
 Count = Annotated[Int, _at_least(1), _COUNT_CAP]  # a positive whole number
 Count0 = Annotated[Int, _at_least(0), _COUNT_CAP]  # zero allowed
@@ -455,7 +481,7 @@ class OptimizerConfig(_Section):
     """AdamW's denominator epsilon."""
     momentum: Float = 0.9
     """SGD momentum in [0, 1)."""
-    fused: bool | None = None
+    fused: Bool | None = None
     """Use the fused AdamW kernel (None: PyTorch's default)."""
 
     @field_validator("betas")
@@ -505,7 +531,7 @@ class ScalerConfig(_Section):
         ampguard.errors.ConfigError: config: scaler.min_scale: must be a finite number > 0 (got 0.0)
     """
 
-    enabled: bool | None = None
+    enabled: Bool | None = None
     """Loss scaling: None means on for fp16, off otherwise. True with bf16/fp32 is an error."""
     init_scale: Annotated[Positive, Float32] = 2.0**16
     """Starting loss scale (at most the largest float32, about 3.4e38)."""
@@ -613,7 +639,7 @@ class MonitorConfig(_Section):
     fail_after: Count = 100
     """Consecutive steps above ``fail_rate`` (or skipped at the scale's floor, see
     ``fail_on_scale_collapse``) before the run stops with exit code 3. Counted from step 1."""
-    fail_on_scale_collapse: bool = False
+    fail_on_scale_collapse: Bool = False
     """Also stop (exit 3, cause ``scale_collapse``) when ``fail_after`` consecutive steps are
     skipped with the loss scale at its floor ``scaler.min_scale``."""
     min_steps: Count0 = DEFAULT_MIN_STEPS
@@ -733,13 +759,13 @@ class LogConfig(_Section):
     """Run folder name under ``dir`` (None: a timestamp). An existing run folder is never reused."""
     every: Count = 50
     """Console line every this many steps (skips are always printed; the CSV has every step)."""
-    plot: bool = True
+    plot: Bool = True
     """Draw ``report.png`` at the run's end. false: no plot (a headless cluster's job, or a
     run of millions of steps whose plot would take its own minutes); ``ampguard report RUN_DIR``
     draws it whenever wanted."""
-    jsonl: bool = False
+    jsonl: Bool = False
     """Also write every step record as JSON lines (``steps.jsonl``)."""
-    tensorboard: bool = False
+    tensorboard: Bool = False
     """Also write TensorBoard scalars (``tensorboard/``); needs the ``tensorboard`` package."""
     wandb: Annotated[WandbConfig | None, BeforeValidator(_section_switch)] = None
     """Also log every step to Weights & Biases (see ``WandbConfig``); null: off."""
@@ -776,7 +802,7 @@ class EvalConfig(_Section):
         (100, 8)
     """
 
-    enabled: bool = True
+    enabled: Bool = True
     """Evaluate the task's held-out metrics (extra CSV columns)."""
     every: Count0 = 100
     """Evaluate on held-out data every this many steps and at the end (0: only at the end)."""
@@ -793,7 +819,7 @@ class CheckpointConfig(_Section):
         (0, 3)
     """
 
-    enabled: bool = True
+    enabled: Bool = True
     """Write checkpoints to ``<run>/checkpoints/`` (and at the end, on fail-fast and on Ctrl-C)."""
     every: Count0 = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
@@ -846,7 +872,7 @@ class ValidateConfig(_Section):
     """Probe set: the first this many held-out examples."""
     boundary: Count0 = 16
     """Probe set: the held-out examples with the smallest FP32 top-2 margin (classifiers)."""
-    edge_cases: bool = True
+    edge_cases: Bool = True
     """Probe set: the task's edge-case inputs (blank, saturated, extreme values...)."""
     abs_tol: Amount = 0.05
     """Score tolerance: |amp - fp32| <= abs_tol + rel_tol * |fp32| for every score of every probe."""
@@ -910,7 +936,7 @@ class Fp8Config(_Section):
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao's scaling recipe: ``tensorwise`` (one dynamic scale per tensor, the fastest) or
     ``rowwise`` (one per row, scales rounded down to powers of two: one outlier costs only its row)."""
-    keep_first_last: bool = True
+    keep_first_last: Bool = True
     """Keep the model's first and last ``nn.Linear`` (input layer, output head) in bf16: they are
     the most sensitive to float8 rounding. Linear layers whose dimensions are not multiples of 16
     always stay in bf16 (``torch._scaled_mm`` needs them)."""
@@ -946,13 +972,13 @@ class DiagnoseConfig(_Section):
         (False, False)
     """
 
-    first_skip: bool = False
+    first_skip: Bool = False
     """After the first skipped step, find where its non-finite value was born (``ampguard locate``
     on that step's micro-batches) and write the finding to the event log and the run card."""
-    strict: bool = False
+    strict: Bool = False
     """Debugging: the first non-finite loss or gradient stops the run (exit 3) with a message
     naming which and where, instead of skipping it and going on."""
-    grad_norms: bool = True
+    grad_norms: Bool = True
     """At every skipped step, write each parameter's gradient norm (finite or not, in backward
     order) to ``events.jsonl`` (a ``grad_norms`` event). Applied steps pay nothing (the order is
     learned at the first step; the norms are taken only at a skip)."""
@@ -1152,12 +1178,12 @@ class Config(_Section):
     """Rolling back to the last good checkpoint on a loss spike or a tripped guard."""
     task: TaskConfig = TaskConfig()
     """The workload: a built-in one or your own factory."""
-    compile: bool = False
+    compile: Bool = False
     """Compile the model's forward with ``torch.compile`` (in place, ``nn.Module.compile``, so
     checkpoints keep their keys). The first steps take longer while it compiles (tens of seconds
     on a CPU); on a GPU it is what makes a transformer fast. Inductor may fuse operations: not bit
     for bit the eager run."""
-    fast: bool | None = None
+    fast: Bool | None = None
     """The fast path (``docs/design.md`` §5): fused AdamW/SGD, the sync-free step with the LR
     schedule on the device (no host read decides a step), and records read back as their copies
     land, at most :data:`~ampguard.records.LAG` steps behind the step being trained; the monitors

@@ -120,3 +120,13 @@ def test_locates_later_checkpoint_warning_names_where_the_loss_scale_came_from(t
     assert "at their loss scale " in warned("--checkpoint", f16, "--step", "3")
     assert ("the replay ran them, at scaler.init_scale 65536 (the checkpoint holds no loss scale), on step 3's batch"
             in warned("--checkpoint", b16, "--step", "3"))
+
+
+@pytest.mark.parametrize("setting, shown", [("compile=1", "1"), ("fast=1.0", "1.0"), ("log.plot=0", "0"),
+                                            ("diagnose.strict='1'", "the text '1'")])
+def test_a_number_for_a_boolean_setting_is_refused_naming_the_key(setting, shown):
+    # review_51f: pydantic's lax mode read them as true/false, where a number setting refuses a boolean
+    key = setting.split("=")[0]
+    assert one_error_line(ag("train", *LINEAR, "--set", setting, "--print-config")) == (
+        f"ampguard: error: config: {key}: expected true or false, got {shown}")
+    ok(ag("train", *LINEAR, "--set", f"{key}=yes", "--print-config"))  # (the words stay: README)
