@@ -562,7 +562,8 @@ def _check_targets(task: Task, scores: torch.Tensor, targets: torch.Tensor, each
         raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape)}, but "
                          f"the first output has {scores.shape[1] if n else 0} scores per example: a regression task "
                          "needs one target per score")
-    if task.mode != "classifier" and each is not None and targets.dim() > 2:
+    if task.mode != "classifier" and each is not None and targets.dim() > 2 and sum(n != 1 for n in each) > 1:
+        # (an output laid out in several dimensions: a flat one, (N, 6), takes targets of any layout)
         unit = tuple(size for size in targets.shape[1:] if size != 1)
         if unit != tuple(size for size in each if size != 1):
             raise InputError(f"validate: task {task.name}: the held-out targets have shape {tuple(targets.shape[1:])} "
@@ -1315,9 +1316,14 @@ def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.
     reference_ties: list[dict[str, Any]] = []  # FP32's own ties AMP kept: not AMP's doing, said
     for i, record in enumerate(result.records):
         fp32_d, amp_d = int(ref_decision[i]), int(decision[i])
-        # (an exact AMP tie that includes FP32's class keeps it: argmax names the lower index of equal scores)
-        kept = fp32_d if bool(amp[i, fp32_d] == amp[i, amp_d]) else amp_d
-        kind = classify_probe(fp32_d, kept, float(ref_margin[i]), float(margin[i]), cfg.tie_margin)
+        tied = ref[i] == ref[i].max()
+        if int(tied.sum()) > 1:  # an exact FP32 tie: kept where AMP ties exactly on the same classes, else a
+            # tie, in whichever order the classes come (argmax names the lower index: review 51l)
+            kind = "same" if torch.equal(tied, amp[i] == amp[i].max()) else "tie"
+        else:
+            # (an exact AMP tie that includes FP32's class keeps it: argmax names the lower index of equal scores)
+            kept = fp32_d if bool(amp[i, fp32_d] == amp[i, amp_d]) else amp_d
+            kind = classify_probe(fp32_d, kept, float(ref_margin[i]), float(margin[i]), cfg.tie_margin)
         record.update(fp32={"decision": fp32_d, "top": _top_k(ref[i], cfg.top_k)},
                       amp={"decision": amp_d, "top": _top_k(amp[i], cfg.top_k)},
                       fp32_margin=float(ref_margin[i]), amp_margin=float(margin[i]),

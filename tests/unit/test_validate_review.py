@@ -522,3 +522,23 @@ def test_the_extremes_row_fails_on_the_first_outputs_deviation_only():
     assert extremes.ok and extremes.reference == extremes.amp == "1, 5", extremes
     [one] = [rule for criterion, rule in rules.items() if criterion.startswith("output 1:")]
     assert not one.ok and not result.ok
+
+
+@pytest.mark.parametrize("order", [[0, 1], [1, 0]])
+def test_an_exact_fp32_tie_that_amp_breaks_is_a_tie_in_either_class_order(order):
+    # review_51l: FP32 [0, 0], bf16 breaking it: ACCEPTED in one class order ("reference ties AMP kept",
+    # AMP's gap 0.0079), REJECTED in the other; both a tie now, and AMP tied exactly as FP32 is the same
+    cfg = make_config({"validation": {}}).validation
+    result = PrecisionResult("bf16", records=[{"probe": "held_out:0", "tags": ["boundary"]}])
+    _decisions(result, cfg, torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 0.0079]])[:, order])
+    assert [row["probe"] for row in result.ties] == ["held_out:0"] and not result.rules[-1].ok
+    kept = PrecisionResult("bf16", records=[{"probe": "held_out:0", "tags": ["boundary"]}])
+    _decisions(kept, cfg, torch.tensor([[1.0, 1.0, 0.5]])[:, order + [2]], torch.tensor([[2.0, 2.0, 1.0]])[:, order + [2]])
+    assert kept.ties == [] and kept.rules[-1].ok and "reference ties AMP kept (not counted): 1" in kept.rules[-1].amp
+
+
+def test_a_flat_regression_output_takes_targets_of_any_layout():
+    # review_51l: (N, 6) beside (N, 3, 2) targets, a keypoint head's, was refused by the layout check
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    task = toy_task(x, x.view(8, 3, 2), mode="regression")
+    assert compare(task, task.model, config_of(max_mse=0.01, edge_cases=False), CPU).reference_ok
