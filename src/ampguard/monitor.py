@@ -947,7 +947,10 @@ class RunMonitor:
             if not (rate is None and name == "fail_rate") and not (finite_number(rate) and 0 <= rate <= 1):
                 raise ValueError(f"{name} must be a number in [0, 1], got {rate!r}")
         if not isinstance(fail_on_scale_collapse, bool):  # ("false", a non-empty string, turned it on: review 51d)
-            raise TypeError(f"fail_on_scale_collapse must be True or False, got {fail_on_scale_collapse!r}")
+            if type(fail_on_scale_collapse).__module__ != "numpy" or type(fail_on_scale_collapse).__name__ not in (
+                    "bool", "bool_"):  # (NumPy's booleans are taken: review 51l)
+                raise TypeError(f"fail_on_scale_collapse must be True or False, got {fail_on_scale_collapse!r}")
+            fail_on_scale_collapse = bool(fail_on_scale_collapse)
         if clear_rate is not None and not 0 <= clear_rate <= alert_rate:
             raise ValueError(f"clear_rate must be in [0, alert_rate {alert_rate:g}], got {clear_rate}")
         for name, count in (("window", window), ("fail_after", fail_after), ("min_steps", min_steps)):

@@ -1487,7 +1487,7 @@ class Guard:
     def _step_optimizers(self, applied: tuple[str, ...]) -> None:
         """``optimizer.step()`` of each applied one (what ``scaler.step()`` does once found_inf
         reads 0), each counted as it steps: a failure after it leaves an update that stands."""
-        with _GuardStepping():
+        with _GuardStepping([self.optimizers[name] for name in applied]):
             try:
                 for name in applied:
                     self.optimizers[name].step()
@@ -1592,7 +1592,7 @@ class Guard:
         if factor is not None:
             grads.scale_(factor)
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
-        with _GuardStepping():
+        with _GuardStepping([self.optimizer]):
             try:
                 self.optimizer.step()
             except BaseException:

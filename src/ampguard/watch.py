@@ -15,7 +15,7 @@ import functools
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,9 +59,10 @@ class _Stepping(threading.local):
     unchecked, then again by its guard; review 51c)."""
 
     def __init__(self) -> None:
-        self.count = 0
-        """How many guards are inside their own ``optimizer.step()`` now in this thread
-        (:func:`_refuse_stray_step`)."""
+        self.stepping: dict[int, int] = {}
+        """The optimizers (by id) a guard is inside the ``step()`` of now in this thread, each with
+        how many times over (:func:`_refuse_stray_step`: a guard's own; another optimizer stepped
+        from a hook inside it is not, review 51l)."""
         self.finished: Any = None
         """The optimizer whose ``step()`` last finished its update in this thread
         (:func:`_mark_finished`, its first step post-hook): an error from the ``step()`` call
@@ -116,7 +117,7 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     and only with gradients there to apply. Between the guard's steps the optimizer is the
     caller's (no gradient is left to apply there: the guard drops them). On the guard's own steps
     one read of a counter."""
-    if STEPPING.count:
+    if id(optimizer) in STEPPING.stepping:
         return
     guards = _GUARDED.get(optimizer, ())
     if any(guard.micro_batches or guard.pending for guard in guards) and holds_gradients(optimizer):
@@ -128,27 +129,35 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
 
 
 def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if STEPPING.count:  # (the guard's own steps only; it lets go of the optimizer after each)
+    if id(optimizer) in STEPPING.stepping:  # (the guard's own steps only; it lets go of the optimizer after each)
         STEPPING.finished = optimizer
 
 
 class _GuardStepping:
-    """``with _GuardStepping():`` around a guard's own ``optimizer.step()`` calls:
-    :func:`_refuse_stray_step` lets them through in this thread, and ``STEPPING.finished`` (which
+    """``with _GuardStepping(optimizers):`` around a guard's own ``optimizer.step()`` calls:
+    :func:`_refuse_stray_step` lets those optimizers' through in this thread, and ``STEPPING.finished`` (which
     one finished its update) is put back as it was after (another guard's, when this step runs
     inside its optimizer's post-hook). A class, not a generator: a quarter of the cost on the hot
     path."""
 
-    __slots__ = ("finished",)
+    __slots__ = ("finished", "ids")
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        self.ids = [id(optimizer) for optimizer in optimizers]
 
     def __enter__(self) -> None:
         stepping = STEPPING
-        stepping.count += 1
+        for i in self.ids:
+            stepping.stepping[i] = stepping.stepping.get(i, 0) + 1
         self.finished = stepping.finished
 
     def __exit__(self, *exc: object) -> None:
         stepping = STEPPING
-        stepping.count -= 1
+        for i in self.ids:
+            if stepping.stepping[i] == 1:
+                del stepping.stepping[i]
+            else:
+                stepping.stepping[i] -= 1
         stepping.finished = self.finished
 
 
@@ -186,16 +195,18 @@ _PROBING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.W
 
 
 def _note_autocast(module: nn.Module, args: Any) -> None:
-    """A forward pre-hook: each probing guard notes, at the first training forward (one that
-    records gradients: an evaluation under ``torch.no_grad()`` before training is not it), the
-    autocast dtype it ran under for its device (``False`` without autocast). A module-level
+    """A forward pre-hook: each probing guard notes, at each training forward (one that records
+    gradients: an evaluation under ``torch.no_grad()`` before training is not it) until its
+    first backward, the autocast dtype it ran under for its device (``False`` without
+    autocast): the last one before the backward is the one trained (an evaluation with
+    gradients on, under autocast, before training, was taken for it: review 51l). A module-level
     function (a model with the hook still pickles). Nothing while ``torch.compile`` traces it: a
     graph that read the registry would be guarded on its entries' positions (a collected model
     made a later compile fail with an ``IndexError``)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
     for guard in _PROBING.get(module, ()):
-        if guard._forward_autocast is None and guard._autocast_probes:  # (its probe still open)
+        if guard._autocast_probes:  # (its probe still open)
             device_type = guard.precision.device_type
             guard._forward_autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
 

@@ -312,7 +312,7 @@ def test_a_fast_dev_run_writes_no_csv_and_the_real_fit_after_it_trains(tmp_path)
     # Lightning's smoke test writes no logs nor checkpoints; the plugin's CSV it wrote refused the
     # real fit that followed ("steps.csv already exists")
     csv = tmp_path / "steps.csv"
-    with pytest.warns(AmpguardWarning, match=r"fast_dev_run: csv=.* is not written"):
+    with pytest.warns(AmpguardWarning, match=r"fast_dev_run: csv=.* not written"):
         fit(Digits(), AmpGuardPlugin("bf16-mixed", csv=csv), steps=3, fast_dev_run=True)
     assert not csv.exists()
     fit(Digits(), AmpGuardPlugin("bf16-mixed", csv=csv), steps=2)
@@ -326,3 +326,15 @@ def test_a_flag_that_is_not_a_bool_and_an_empty_csv_are_refused_up_front():
         AmpGuardPlugin("16-mixed", fail_on_scale_collapse="false")
     with pytest.raises(ValueError, match=r"AmpGuardPlugin\(csv=''\): give the path of the CSV file"):
         AmpGuardPlugin("bf16-mixed", csv="")
+
+
+def test_a_fast_dev_run_serves_no_sinks_and_the_real_fit_takes_them(tmp_path):
+    # review_51l: the sinks were written and closed by the smoke test: the real fit was refused
+    # ("steps.jsonl already exists", or the same plugin's "sinks were closed")
+    sink_path = tmp_path / "steps.jsonl"
+    plugin = AmpGuardPlugin("bf16-mixed", sinks=[JsonlSink(sink_path)])
+    with pytest.warns(AmpguardWarning, match=r"fast_dev_run: the sinks not written"):
+        fit(Digits(), plugin, steps=3, fast_dev_run=True)
+    assert not sink_path.exists() or sink_path.read_text() == ""
+    fit(Digits(), plugin, steps=2)
+    assert len(sink_path.read_text().splitlines()) == 2

@@ -461,6 +461,18 @@ def test_a_ctrl_c_in_a_fresh_runs_first_step_still_gives_130(tmp_path):
     assert not (tmp_path / "out" / "ampguard" / "steps.csv").exists()  # taken back: a new run starts afresh
 
 
+def test_a_second_train_that_fails_before_it_begins_has_its_own_exit_code(tmp_path):
+    # review_51l: the second train()'s failure before on_train_begin (a checkpoint that is not there)
+    # left exit_code at the first train()'s 0
+    trainer = GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "bf16", steps=2), train_dataset=token_ids(16),
+                             ampguard=AmpGuardCallback(print_fn=lambda line: None))
+    trainer.train()
+    assert trainer.ampguard.exit_code == 0
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "no-such-checkpoint"))
+    assert trainer.ampguard.exit_code == 1
+
+
 def test_a_resume_goes_on_at_the_checkpoints_step_with_its_scale_and_monitor(tmp_path):
     # fp16: the overflow at step 2 halves the scale (1024 -> 512); HF saves a checkpoint at step 2
     args = arguments(tmp_path, "fp16", steps=4, save_strategy="steps", save_steps=2)

@@ -87,3 +87,37 @@ def test_a_loss_fn_that_is_not_callable_is_refused_when_built():
     with pytest.raises(ValueError, match=r"AmpTrainState calls loss_fn\(outputs, targets\): it must be callable, "
                                          r"got NoneType"):
         AmpTrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), None)
+
+
+def test_a_stray_step_from_a_hook_inside_another_guards_step_is_refused():
+    # review_51l: the per-thread count still let guard B's raw optimizer.step(), called from a hook
+    # inside guard A's own step in the same thread, through: B's gradients applied twice
+    model_a, guard_a = _guard()
+    model_b, guard_b = _guard()
+    x = torch.randn(2, 4)
+    guard_b.backward(model_b(x).pow(2).mean())
+    before = [p.detach().clone() for p in model_b.parameters()]
+    guard_a.optimizer.register_step_post_hook(lambda opt, args, kwargs: guard_b.optimizer.step())
+    guard_a.backward(model_a(x).pow(2).mean())
+    with pytest.raises(RuntimeError, match=r"Adam\.step\(\) called outside the guard after guard\.backward\(\)"):
+        guard_a.step()
+    assert all(torch.equal(p, q) for p, q in zip(before, model_b.parameters()))
+
+
+def test_an_fp32_guard_judges_the_training_forward_not_an_evaluation_before_it(recwarn):
+    # review_51l: an evaluation under autocast with gradients on, before training, was taken for the
+    # training forward: "ran under autocast(bfloat16)" for a loop that trained in fp32
+    model, guard = _guard()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 4))
+    guard.backward(model(torch.randn(2, 4)).pow(2).mean())
+    guard.step()
+    assert not [w for w in recwarn if issubclass(w.category, AmpguardWarning)]
+
+
+def test_numpys_booleans_are_taken_for_the_monitors_flag():
+    import numpy as np
+
+    from ampguard.monitor import RunMonitor
+
+    assert RunMonitor(fail_on_scale_collapse=np.True_).fail_on_scale_collapse is True

@@ -223,6 +223,7 @@ class AmpGuardPlugin(_LightningPrecision):
         # ("~/steps.csv" is the home folder's, as Hugging Face's output_dir and ampguard's config paths)
         self.csv = Path(os.path.expanduser(csv)) if csv is not None else None
         self._csv_on = self.csv is not None  # (this fit writes it: not under fast_dev_run)
+        self._dev_run = False  # (this fit is a fast_dev_run: it writes no CSV and serves no sinks)
         self._said_fast_dev_run = False
         self.extra_sinks = list(sinks)
         self.log = log
@@ -336,6 +337,7 @@ class AmpGuardPlugin(_LightningPrecision):
             self._accumulation = _group_size(module, trainer)
             self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
             self._unlogged_skips = {}  # (a fit's own: the last fit's unlogged skips are not this one's)
+            self._dev_run = bool(trainer.fast_dev_run)  # (no CSV, no sinks: _csv_written)
             self._csv_on = self._csv_written(trainer)
             if self._csv_on:
                 self._csv_fits.add(os.path.abspath(self.csv))
@@ -363,18 +365,18 @@ class AmpGuardPlugin(_LightningPrecision):
             self._check_csv(trainer, len(optimizers))
 
     def _csv_written(self, trainer: pl.Trainer) -> bool:
-        """Whether this fit writes ``csv``: not under ``fast_dev_run``, Lightning's smoke test,
-        which writes no logs nor checkpoints (its CSV then refused the real fit as "already
-        exists"; review 51d); said once."""
-        if self.csv is None:
-            return False
+        """Whether this fit writes ``csv`` (and its sinks): not under ``fast_dev_run``, Lightning's
+        smoke test, which writes no logs nor checkpoints (its CSV, or a sink's file, then refused
+        the real fit as "already exists", its sinks closed; reviews 51d, 51l); said once."""
         if trainer.fast_dev_run:
-            if not self._said_fast_dev_run:
+            if not self._said_fast_dev_run and (self.csv is not None or self.extra_sinks):
                 self._said_fast_dev_run = True
-                rank_zero_warn(f"AmpGuardPlugin: fast_dev_run: csv={_said(self.csv)} is not written, as Lightning "
-                               "writes no logs in it (the sinks you gave are)", category=AmpguardWarning)
+                what = " and ".join(w for w in (f"csv={_said(self.csv)}" if self.csv is not None else "",
+                                                "the sinks" if self.extra_sinks else "") if w)
+                rank_zero_warn(f"AmpGuardPlugin: fast_dev_run: {what} not written, as Lightning writes no logs in "
+                               "it", category=AmpguardWarning)
             return False
-        return True
+        return self.csv is not None
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
@@ -484,6 +486,8 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def _open_sinks(self, trainer: pl.Trainer) -> list[Sink]:
         sinks: list[Sink] = []
+        if self._dev_run:  # (Lightning's smoke test: its loggers write nothing, nor do these)
+            return sinks
         if trainer.is_global_zero:
             if self.csv is not None and self._csv_on:
                 assert self.guard is not None  # (sinks open at the first record)
@@ -566,10 +570,10 @@ class AmpGuardPlugin(_LightningPrecision):
             trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = self._minimums
         self._minimums = None
         sinks = self._sinks
-        if sinks is None and trainer is not None:  # no record written (a crash before the first step)
-            sinks = self.extra_sinks if trainer.is_global_zero else []
+        if sinks is None and trainer is not None and not self._dev_run:  # no record written (a crash before
+            sinks = self.extra_sinks if trainer.is_global_zero else []   # the first step)
         self._sinks = None
-        if trainer is not None:
+        if trainer is not None and not self._dev_run:  # (a fast_dev_run served none: the real fit takes them)
             self._closed += self.extra_sinks  # on every rank: a later fit is refused on every rank alike
         # a fit that raised: Lightning calls this inside its except, its error in flight (the one it raises)
         failed = sys.exc_info()[1] if trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED \

@@ -211,6 +211,7 @@ class AmpGuardCallback(TrainerCallback):
             _check_out_dir(self.out_dir)
         self._home = self.out_dir  # the folder given: a trial's files go in a folder of their own in it
         self._trial: str | None = None  # GuardedTrainer: HF's run folder name for the trial train() runs (run-N)
+        self._began = True  # GuardedTrainer: this train()'s on_train_begin ran (for_trial sets it back)
         self._reporting = False  # GuardedTrainer: HF is reporting to the search (an on_train_end now: pruned)
         self.window, self.alert_rate, self.clear_rate, self.fail_rate = window, alert_rate, clear_rate, fail_rate
         self.fail_after, self.min_steps, self.print_fn = fail_after, min_steps, print_fn
@@ -315,6 +316,7 @@ class AmpGuardCallback(TrainerCallback):
         the hyperparameter-search trial it runs (``run-3``), the name of the callback's folder
         for it; ``None`` outside a search."""
         self._trial = name
+        self._began = False  # (this train()'s on_train_begin has not run yet)
 
     def crashed(self, error: BaseException) -> None:
         """``train()`` ended with ``error`` (called by :class:`GuardedTrainer`): ``run_end``,
@@ -322,9 +324,10 @@ class AmpGuardCallback(TrainerCallback):
         once they are written, or before the files were opened; :attr:`exit_code` says it all the
         same (a Ctrl-C or SIGTERM in a fresh run's first step left it 0: a preempted job that
         reported success, and was never requeued)."""
-        if self.monitor is None or self._ended:
-            if self.monitor is None:  # (before any file was opened: a checkpoint refused, a signal at start-up)
-                self.crash = error
+        if self.monitor is None or self._ended or not self._began:
+            if self.monitor is None or not self._began:  # (before this train() opened a
+                # file: a checkpoint refused, a signal at start-up; a second train()'s kept the first's 0)
+                self.crash, self.failed = error, None
             return
         if not self.monitor.steps and self._fresh:  # (a first step's refusal: frozen="ignore" asked for, ...)
             self._withdraw()
@@ -361,6 +364,7 @@ class AmpGuardCallback(TrainerCallback):
         # a second AmpGuardCallback added after the Trainer was built (trainer.add_callback): the
         # first one opened this train()'s files already; it takes them back, then this one refuses
         _one_per_trainer(state, self, withdraw=True)
+        self._began = True
         self._stop_told, self._stopping = False, False
         resume, self._resume = self._resume, None  # (taken first: a refusal below leaves none to a later train())
         # HF's auto_find_batch_size begins the loop again, with a smaller batch, after an out-of-memory:
