@@ -31,8 +31,8 @@ from .monitor import RunMonitor
 from .precision import uses_loss_scaler
 from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, judged_at_end, panel_title,
                      plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
-                     rolling_skip_rate, segment_ends, shown, threshold_by_step, threshold_line, threshold_text,
-                     whole_steps)
+                     rolling_skip_rate, scale_restarts, segment_ends, shown, threshold_by_step, threshold_line,
+                     threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
 from .sinks import Row, read_steps_and_columns
@@ -115,7 +115,8 @@ def load_run(path: str | Path) -> RunSummary:
     policy, rollbacks = policy_changes_of(folder), rollbacks_of(folder)
     held = read_held_out(folder / "steps.csv", rows, extra)  # (once: the replay's metrics and the notes')
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks, metrics=held.metrics, finished=judged_at_end(ended), ends=segment_ends(folder))
+                     rollbacks=rollbacks, metrics=held.metrics, finished=judged_at_end(ended), ends=segment_ends(folder),
+                     scales=scale_restarts(folder, rows, config.scaler.init_scale) if scaler_on else None)
     notes = reading_notes(folder / "steps.csv", rows, torn, folder, extra, config, policy, held=held)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)
 

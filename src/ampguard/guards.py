@@ -38,6 +38,7 @@ from .config import Config
 from .errors import ConfigError, ExitCode, InputError, counted, first_line
 from .files import temporary_beside
 from .monitor import FAIL_SKIP_RATE, Event, LossSpikeDetector, RunMonitor, metric_direction
+from .precision import scale_in_use
 from .records import StepRecord
 
 if TYPE_CHECKING:
@@ -456,10 +457,18 @@ class Rollbacks:
         # a spike's or a regression's update is in the model now: the run that stops keeps no checkpoint
         # of it (the newest, which a --resume took and trained on from, held the spiked weights)
         unsaved = decision.kind in (LOSS_SPIKE, VAL_REGRESSION)
-        kept = UNSAVED if unsaved else ""
+
+        def kept() -> str:  # (and those saved since the trouble began: a val_regression's, from the
+            # evaluation before; the newest of them was what --resume went on from: review 51j)
+            if not unsaved:
+                return ""
+            aside = self.checkpointer.set_aside_after(decision.first_bad_step - 1) if self.checkpointer else []
+            return UNSAVED + (f"; {', '.join(p.name for p in aside)}, saved since, set aside (checkpoints/abandoned-*)"
+                              if aside else "")
+
         if len(self.log) >= self.cfg.max:
             return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; "
-                        + _used_up(self.cfg.max) + kept, ROLLBACKS_USED_UP, unsaved)
+                        + _used_up(self.cfg.max) + kept(), ROLLBACKS_USED_UP, unsaved)
         loaded, problem = None, None
         try:
             loaded = self.checkpointer.load(before_step=decision.first_bad_step)
@@ -472,7 +481,7 @@ class Rollbacks:
         if problem is None and len({name for name, _ in answers}) > 1:
             problem = f"the ranks found different checkpoints ({', '.join(str(name) for name, _ in answers)})"
         if problem is not None or loaded is None:
-            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {problem}{kept}",
+            return Stop(ExitCode.GUARD, f"stopped at step {step}: {decision.why}; cannot roll back: {problem}{kept()}",
                         NO_CHECKPOINT, unsaved)
         evidence = self._save_evidence(step, decision)  # before anything goes back
         # the step counter and the monitors' history go on; everything that trains goes back
@@ -489,6 +498,8 @@ class Rollbacks:
         lr = apply_policy_changes(stale, self.config, self.state, len(self.log) + 1, rolled_back=True)
         # the run card's "updates applied", final loss and held-out metrics are the model's it holds
         undone = self.monitor.rolled_back(self.state.updates, (loaded.payload[STATE].get("monitors") or {}).get("run"))
+        if self.state.scaler.is_enabled():  # (the checkpoint's scale: the next step runs with it)
+            self.monitor.scale_restarted(float(scale_in_use(self.state.scaler)))
         old, saved = self.data.position, int(loaded.payload[DATA])
         # never back onto the triggering step's own micro-batches (they end at the current position)
         self.data.seek(max(saved + self.cfg.skip_batches, old))

@@ -982,6 +982,7 @@ class RunMonitor:
         self.min_scale = min_scale
         self.fail_on_scale_collapse = fail_on_scale_collapse
         self.min_steps = min_steps
+        self._restarted: float | None = None  # the scale the next step runs with, where not the last one left
 
         self.skip_window = RollingWindow(window)
         self.clip_window = RollingWindow(window)
@@ -1174,7 +1175,9 @@ class RunMonitor:
         self.clip_window.push(float(clipped))
         self.skip_window.push(float(record.skipped))
         scale = v["scaler_scale"] if v["scaler_scale"] is not None else 1.0
-        ran_with = self.health.scale  # (the scale this step ran with: the one the step before left)
+        # (the scale this step ran with: the one the step before left, or the one a resume or a
+        # rollback set the scaler to since: scale_restarted)
+        ran_with, self._restarted = (self.health.scale if self._restarted is None else self._restarted), None
         if self.scaler_enabled:
             self.health.push(scale, record.skipped, search=record.reason == "non_finite_grad")
         opening = self.opening
@@ -1465,6 +1468,27 @@ class RunMonitor:
         self.failed = None
 
     # -------------------------------------------------------------- views
+
+    def scale_restarted(self, scale: float) -> None:
+        """The loss scale the next step runs with, set by the trainer, not left by the step before:
+        a resume that changed ``scaler.init_scale``, a rollback's checkpoint's scale. The opening
+        search judges a step by the scale it ran with (:meth:`_follow_opening`): read from the last
+        record, a resume with a new ``init_scale`` after a back-off to the floor counted its next
+        step as run at the floor, and a healthy run failed (review 51j).
+
+        Example::
+
+            >>> m = RunMonitor(fail_rate=0.5, fail_after=2, init_scale=4.0, min_scale=2.0)
+            >>> from ampguard.records import SkipLog
+            >>> def overflow(step, scale):
+            ...     return SkipLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"),
+            ...                    grad_l2_post_clip=None, scaler_scale=scale, reason="non_finite_grad")
+            >>> _ = m.observe(overflow(1, 2.0))  # the back-off to the floor
+            >>> m.scale_restarted(65536.0)  # (a resume's new init_scale)
+            >>> _ = m.observe(overflow(2, 32768.0)); m.opening, m.failed is None
+            (2, True)
+        """
+        self._restarted = float(scale)
 
     @property
     def alert_armed(self) -> bool:
@@ -1984,9 +2008,11 @@ class RunMonitor:
             self.health.check_state(state["health"], f"{where}health.")
 
 
-SPIKE_STD_FLOOR = 2.0 ** -23  # (float32's machine epsilon)
+SPIKE_STD_FLOOR = 2.0 ** -7  # (bfloat16's machine epsilon)
 """The smallest spread :class:`LossSpikeDetector` judges by, relative to the window's mean (at
-least 1): float32's resolution there."""
+least 1): bfloat16's resolution there, the coarsest a loss is computed in (float32's called the
+next bf16 value of a flat bf16 loss, +0.4%, a spike: review 51j). With ``z`` 6, a flat window's
+next loss is a spike from about 5% above it."""
 
 
 class LossSpikeDetector:
@@ -2020,7 +2046,7 @@ class LossSpikeDetector:
         w = self._sum
         if w.count >= w.size:
             mean = w.mean
-            # (at least float32's resolution at the mean: a window of equal losses, a cross-entropy
+            # (at least bfloat16's resolution at the mean: a window of equal losses, a cross-entropy
             # at 0 or stuck at ln 2, has no spread, and the next loss one rounding up was a "spike")
             std = max(math.sqrt(max(0.0, self._sq.total / w.size - mean * mean)), SPIKE_STD_FLOOR * max(abs(mean), 1.0))
             if loss > mean + self.z * std:
@@ -2031,7 +2057,8 @@ class LossSpikeDetector:
 
     def restore_or_reset(self, state: Any) -> None:
         """After a rollback: the window the checkpoint it returns to kept (its losses are the
-        model's the run goes on with), or an empty one where it kept none that reads. Emptied,
+        model's the run goes on with); where that one is not full (``step-00000000.pt``'s) or
+        kept none that reads, this one's when it is full, else an empty one. Emptied,
         the window judged nothing until it filled again (``rollback.window`` applied steps), and
         a spike in that time joined it and hid the next ones (review 51i: spikes at 5, 7 and 9,
         only 5 rolled back).
@@ -2046,15 +2073,23 @@ class LossSpikeDetector:
             True
             >>> d.restore_or_reset(kept); d.check(100.0)  # judged at once, against the checkpoint's window
             True
-            >>> d.restore_or_reset(None); d.check(100.0)  # none kept: nothing to judge against
+            >>> d.restore_or_reset(LossSpikeDetector(window=2, z=1.0).state_dict()); d.check(100.0)  # (its own, full)
+            True
+            >>> d.reset(); d.restore_or_reset(None); d.check(100.0)  # none kept, none full: nothing to judge against
             False
         """
+        full = self._sum.count >= self._sum.size
         try:
             self.check_state(state)
         except ValueError:
-            self.reset()
+            if not full:  # (none kept, and this one judges nothing yet either)
+                self.reset()
             return
-        self.load_state_dict(state)
+        kept = LossSpikeDetector(self._sum.size, self.z)
+        kept.load_state_dict(state)
+        if kept._sum.count >= kept._sum.size or not full:  # (a checkpoint's window not yet full, step 0's: this
+            # full one judges on, its losses those of a model like the one the run goes on with; review 51j)
+            self.load_state_dict(state)
 
     def reset(self) -> None:
         """Forget the window (after a rollback to a checkpoint that kept none).

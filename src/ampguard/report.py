@@ -699,7 +699,8 @@ def segment_ends(run_dir: Path) -> list[int]:
 
 def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequence[dict[str, Any]] = (),
            rollbacks: Sequence[dict[str, Any]] = (), finished: bool = False, ends: Sequence[int] = (),
-           metrics: Sequence[dict[str, float]] | None = None, **monitor_args: Any) -> RunMonitor:
+           metrics: Sequence[dict[str, float]] | None = None, scales: dict[int, float] | None = None,
+           **monitor_args: Any) -> RunMonitor:
     """Feed CSV rows through a :class:`RunMonitor` (``monitor``, or one made of ``monitor_args``):
     the same statistics the live run kept. ``metrics``: each row's held-out metrics (empty where
     none), observed with it. ``policy`` (:func:`policy_changes_of`) sets the thresholds each step
@@ -712,6 +713,9 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
     or a hand left out are not in that judgement (the reading notes say they are missing; before,
     such a run lost its end's ALERT in report and compare, while its card counted it). ``ends``
     (:func:`segment_ends`): the steps where an earlier part of a resumed run was so judged.
+    ``scales`` (:func:`scale_restarts`): the loss scale a step ran with where the step before did
+    not leave it (step 1's, a rollback's, a resume's new ``init_scale``), as the run's trainer told
+    its monitor (:meth:`~ampguard.monitor.RunMonitor.scale_restarted`).
 
     Example (``monitor_args`` are :class:`RunMonitor`'s; max_norm 1, then 4 from step 3)::
 
@@ -730,6 +734,8 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
     for i, row in enumerate(rows):
         for key, value in _policy_at(policy, row.step).items():
             setattr(monitor, REPLAYED_POLICY[key], clip_threshold(value) if key == "max_norm" else value)
+        if scales and row.step in scales:
+            monitor.scale_restarted(scales[row.step])
         monitor.observe(row.record())
         if metrics is not None and metrics[i]:  # (evaluated on this step's model, before any rollback)
             monitor.observe_eval(metrics[i])
@@ -1687,7 +1693,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     monitor = replay(judged_rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
                      finished=finished(folder.card), metrics=metrics,
-                     ends=segment_ends(csv_path.parent) if config_path.is_file() else ())
+                     ends=segment_ends(csv_path.parent) if config_path.is_file() else (),
+                     scales=scale_restarts(csv_path.parent, rows, init_scale) if config_path.is_file() and scaler_on
+                     else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
     mon = judged.monitor
