@@ -303,7 +303,7 @@ def prepare_model(config: Config, model: nn.Module, precision: str | None = None
         fp8.require_torchao()
     except ImportError as err:
         raise InputError(f"precision: {err}") from None
-    if distributed.launched_by_torchrun():
+    if distributed.current().active:  # (a process group joined: train's; validate runs on rank 0 alone, review 51k)
         raise InputError("precision: fp8 under torchrun is not supported yet (the model is converted after DDP/FSDP2 "
                          "wraps it); train fp8 in one process, or use bf16")
     if copy_model:  # (fp32_modules apply to fp16/bf16 only: a bf16 pass before kept them in the model itself)

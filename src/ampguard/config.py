@@ -1371,7 +1371,9 @@ def _format_error(err: ValidationError) -> str:
         key = str(path[-1]) if path else ""
         if key == "":  # ("config: : unknown key")
             return f"{loc.removesuffix('.')}: an empty key ('')" if loc.removesuffix(".") else "an empty key ('')"
-        if "." in key:  # (--set's spelling in a file: "optimizer.lr: unknown key" named a real setting unknown)
+        parts = [*map(str, path[:-1]), *key.split(".")]
+        if "." in key and _field_at(parts) is not None:  # (--set's spelling in a file, of a setting there is:
+            # "optimizer.lr: unknown key" named a real setting unknown; one there is not stays unknown, 51k)
             nested = ": {".join(key.split(".")) + ": ..." + "}" * key.count(".")
             return (f"{loc}: a key with a dot in it: nest it ({nested}) in a file; dotted keys are "
                     "--set's spelling")
@@ -1566,8 +1568,9 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     read, for a warning (as ``task linear does not read task.n_layer: ignored``): the loss
     scaler's without one, ``fp8`` outside ``precision: fp8``, ``checkpoint`` with checkpoints
     off, the other optimizer's, a constant schedule's floor, ``rollback`` with no trigger,
-    ``eval.every`` with evaluation off, ``monitor.fail_after`` with nothing to fail fast, and a
-    rate of 1 (no skip rate is above it: given, it never fires); ``validate`` names its own report folder and injects no faults. ``only``: just the
+    ``eval.every`` with evaluation off, ``monitor.fail_after`` with nothing to fail fast,
+    ``monitor.fail_on_scale_collapse`` with no loss scaler, and a ``fail_rate`` of 1 (no skip
+    rate is above it: given, it never trips); ``validate`` names its own report folder and injects no faults. ``only``: just the
     settings under these keys (a resume's ``--set``: its ``config.yaml`` gives every key, and what
     it held was said when the run began).
 
@@ -1584,9 +1587,11 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         ...     print(line)
         optimizer adamw has no momentum setting (SGD's): optimizer.momentum ignored
         schedule.decay is constant (no decay to a floor): schedule.min_lr_ratio ignored
-        monitor.fail_rate is not set and monitor.fail_on_scale_collapse is false: nothing fails fast: monitor.fail_after ignored
+        monitor.fail_rate is not set and no scale-collapse guard runs (monitor.fail_on_scale_collapse with a loss scaler): nothing fails fast: monitor.fail_after ignored
         >>> ignored_settings(validate({"monitor": {"fail_rate": 1.0}}))
-        ['monitor.fail_rate 1: no skip rate is above 1, so the fail-fast never trips (a rate below 1 arms it, even when every step skips)']
+        ['monitor.fail_rate 1: no skip rate is above 1, so the fail-fast never trips (a rate below 1 arms it, even when every step skips; null turns it off)']
+        >>> ignored_settings(validate({"precision": "bf16", "monitor": {"fail_on_scale_collapse": True}}))
+        ['precision bf16 uses no loss scaler (no scale to collapse): monitor.fail_on_scale_collapse ignored']
         >>> ignored_settings(validate({"precision": "fp16", "scaler": {"min_scale": 2}}))  # (read: nothing to say)
         []
         >>> for line in ignored_settings(validate({"log": {"name": "v"}, "inject": ["nan_loss@2"], "steps": 3}), "validate"):
@@ -1608,10 +1613,12 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         return (under("log.name", "validate names its report folder itself (log.dir/validate-<time>, or --out)")
                 + under("inject", "validate injects no faults"))
     lines = []
-    if config.scaler.enabled is False or not uses_loss_scaler(config.precision):
+    no_scaler = config.scaler.enabled is False or not uses_loss_scaler(config.precision)
+    if no_scaler:
         why = "scaler.enabled is false" if config.scaler.enabled is False else \
             f"precision {config.precision} uses no loss scaler"
         lines += under("scaler.", why)
+        lines += under("monitor.fail_on_scale_collapse", f"{why} (no scale to collapse)")
     if config.precision != "fp8":
         lines += under("fp8.", f"the fp8 section is read under precision: fp8 only (this run is {config.precision})")
     if not config.checkpoint.enabled:
@@ -1629,13 +1636,13 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     if not config.eval.enabled:
         lines += under("eval.every", "eval.enabled is false")
     mon = config.monitor
-    if mon.fail_rate is None and not mon.fail_on_scale_collapse:  # (the CLI's --fail-after is refused so)
-        lines += under("monitor.fail_after", "monitor.fail_rate is not set and monitor.fail_on_scale_collapse is "
-                                             "false: nothing fails fast")
-    for key, what in (("alert_rate", "the ALERT never fires"), ("fail_rate", "the fail-fast never trips")):
-        if getattr(mon, key) == 1 and f"monitor.{key}" in given:
-            lines.append(f"monitor.{key} 1: no skip rate is above 1, so {what} (a rate below 1 arms it, even "
-                         "when every step skips)")
+    collapse = mon.fail_on_scale_collapse and not no_scaler
+    if mon.fail_rate is None and not collapse:  # (the CLI's --fail-after is refused so)
+        lines += under("monitor.fail_after", "monitor.fail_rate is not set and no scale-collapse guard runs "
+                                             "(monitor.fail_on_scale_collapse with a loss scaler): nothing fails fast")
+    if mon.fail_rate == 1 and "monitor.fail_rate" in given:  # (an alert_rate of 1 is how the ALERT is turned off)
+        lines.append("monitor.fail_rate 1: no skip rate is above 1, so the fail-fast never trips (a rate below 1 "
+                     "arms it, even when every step skips; null turns it off)")
     return lines
 
 

@@ -812,15 +812,46 @@ def peer_stopped() -> int | None:
     return code if code in (int(ExitCode.INTERRUPTED), int(ExitCode.TERMINATED)) else None
 
 
+def tell_refused(line: str) -> None:
+    """This rank's start-up is refused (a bad input of its own: its node's file missing for the
+    factory, a checkpoint it reads otherwise): its line in the store, the first rank's kept, for
+    a peer whose collective (or a barrier in its own factory) then fails (:func:`peer_refused`).
+    Not a collective: a peer may wait in one of its own (review 51k: a wrapper that gathered the
+    refusals hung a job whose factory's rank 0 failed while rank 1 waited at its barrier).
+    Nothing without a process group of several.
+
+    Example (no process group)::
+
+        >>> tell_refused("task.factory f.py:build raised FileNotFoundError"), peer_refused()
+        (None, None)
+    """
+    if current().active:
+        with contextlib.suppress(Exception):  # (first come: compare_set writes only where none is)
+            dist.distributed_c10d._get_default_store().compare_set(_stop_key() + "/refused", "", line)
+
+
+def peer_refused() -> str | None:
+    """The line a peer's refused start-up left (:func:`tell_refused`), read without waiting; None
+    when none did, or without a process group."""
+    if not current().active:
+        return None
+    try:
+        store, key = dist.distributed_c10d._get_default_store(), _stop_key() + "/refused"
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # (the store went with the launcher)
+        return None
+
+
 class _Peers:
     """The other ranks as a run's start-up hears of them (:class:`~ampguard.signals.Peers`)."""
 
     gone, stopped, tell = staticmethod(peer_gone), staticmethod(peer_stopped), staticmethod(tell_stopped)
+    refuse, refused = staticmethod(tell_refused), staticmethod(peer_refused)
 
 
 PEERS = _Peers()
 """What :func:`~ampguard.signals.opening` is given under torchrun: :func:`peer_gone`,
-:func:`peer_stopped`, :func:`tell_stopped`."""
+:func:`peer_stopped`, :func:`tell_stopped`, :func:`tell_refused`, :func:`peer_refused`."""
 
 
 def ending() -> None:

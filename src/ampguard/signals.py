@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TextIO
 
-from .errors import ExitCode, failed_because
+from .errors import ExitCode, InputError, failed_because
 
 
 class StopFlag:
@@ -471,6 +471,12 @@ class Peers(Protocol):
         """Leave word of this rank's start-up stop, before its process leaves the group (its
         sockets close after that, so a peer whose collective fails finds the word there)."""
 
+    def refuse(self, line: str) -> None:
+        """Leave word of this rank's start-up refusal (its one line), as :meth:`tell` does."""
+
+    def refused(self) -> str | None:
+        """The line a peer's refused start-up left word of, or None."""
+
 
 def _terminated(signum: int, frame: Any) -> None:
     """SIGTERM's handler while it unwinds as Ctrl-C does (:func:`opening`,
@@ -498,6 +504,9 @@ def opening(on_stuck: Callable[[int], None], peers: Peers | None = None) -> Iter
     same end as the peer's (143, one line, not a traceback), whenever the launcher's signal comes.
     A peer that left no word (killed) is waited for up to :data:`PEER_STOP_WAIT_S` for that
     signal, which then ends this rank as its own would; with none the error is raised as it came.
+    A rank whose start-up is refused (an :class:`~ampguard.errors.InputError`) leaves its line
+    with ``peers.refuse``; a peer whose start-up then fails, however (its next collective, a
+    barrier in its own factory), raises that line (``peers.refused()``): exit 2 on every rank.
 
     Example::
 
@@ -530,6 +539,14 @@ def opening(on_stuck: Callable[[int], None], peers: Peers | None = None) -> Iter
                     peers.tell(int(getattr(err, "exit_code", ExitCode.INTERRUPTED)))
                 raise
             except Exception as err:
+                if peers is not None:
+                    # a peer refused its start-up (its line, exit 2 on every rank; this rank's own error is
+                    # the collective or the factory's barrier that failed as it left: review 51g, 51k)
+                    refused = peers.refused()
+                    if refused is not None:
+                        raise InputError(refused) from None
+                    if isinstance(err, InputError):  # (this rank's: word of it for the peers, before it leaves)
+                        peers.refuse(str(err).splitlines()[0] if str(err) else type(err).__name__)
                 if installed and peers is not None and peers.gone(err):
                     code = peers.stopped()
                     if code is not None:

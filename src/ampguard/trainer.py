@@ -155,22 +155,20 @@ class Trainer:
             ck.check_same_resumes(points)  # (before anything is cut)
         else:
             self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
-        # a refusal on one rank alone (a node's own file missing for its factory, a checkpoint it reads
-        # otherwise) is every rank's: the others said "interrupted", exit 143, waiting for torchrun's
-        # SIGTERM in their next collective (review 51g)
-        with distributed.refused_on_every_rank() if self.dist.active else contextlib.nullcontext():
-            if resume is not None:
-                ck.check_resume(resume, config, self.dist.world_size, self.dist.rank)
-            faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
-            self.task = _build_task(config, self.dist.world_size)
-            if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
-                warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
-                              "statistics frozen) and trains so: call model.train() in the factory to train it in "
-                              "train mode", AmpguardWarning, stacklevel=2)
-            check_nan_input(self.task, faults)
-            if config.log.tensorboard:
-                TensorBoardSink.require()
-            check_trackers(config)  # log.wandb / log.mlflow: the package is there, the MLflow store opens
+        # (a refusal on one rank alone, a node's own file missing for its factory, is every rank's:
+        # signals.opening leaves its line in the store for the peers: review 51g)
+        if resume is not None:
+            ck.check_resume(resume, config, self.dist.world_size, self.dist.rank)
+        faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
+        self.task = _build_task(config, self.dist.world_size)
+        if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
+            warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
+                          "statistics frozen) and trains so: call model.train() in the factory to train it in train "
+                          "mode", AmpguardWarning, stacklevel=2)
+        check_nan_input(self.task, faults)
+        if config.log.tensorboard:
+            TensorBoardSink.require()
+        check_trackers(config)  # log.wandb / log.mlflow: the package is there, the MLflow store opens
         model = self.task.model.to(self.device)
         keep_fp32_modules(config, model)  # (before the start-up's check: its forward records them)
         self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)

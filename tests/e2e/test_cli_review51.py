@@ -28,8 +28,11 @@ def test_a_fail_skip_rate_of_1_is_refused_and_a_configured_one_is_said(tmp_path)
 
 
 @pytest.mark.parametrize("given, said", [
-    (["--set", "monitor.fail_after=5"], "monitor.fail_rate is not set and monitor.fail_on_scale_collapse is false: "
-                                        "nothing fails fast: monitor.fail_after ignored"),
+    (["--set", "monitor.fail_after=5"], "monitor.fail_rate is not set and no scale-collapse guard runs "
+                                        "(monitor.fail_on_scale_collapse with a loss scaler): nothing fails fast: "
+                                        "monitor.fail_after ignored"),
+    (["--set", "precision=bf16", "--set", "monitor.fail_on_scale_collapse=true"],
+     "precision bf16 uses no loss scaler (no scale to collapse): monitor.fail_on_scale_collapse ignored"),
     (["--set", "optimizer.momentum=0.5"], "optimizer adamw has no momentum setting (SGD's): optimizer.momentum ignored"),
     (["--set", "optimizer.name=sgd", "--set", "optimizer.eps=1e-6"],
      "optimizer sgd has no betas or eps (AdamW's): optimizer.eps ignored"),
@@ -92,14 +95,21 @@ def test_a_verb_for_one_process_under_torchrun_runs_on_rank_0_alone(tmp_path):
     out = tmp_path / "v"
     argv = ["validate", *LINEAR, "--set", "validation.precisions=[bf16]", "--set", "validation.max_mse=100",
             "--set", f"log.dir={tmp_path}", "--out", out]
-    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+    torchrun = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    with mock.patch.dict(os.environ, {**torchrun, "RANK": "1"}):
         code, stdout, err = ag(*argv)
     assert code == 0 and err.splitlines() == [
         "ampguard: validate runs in one process: this is rank 1 of 2 (torchrun's RANK, WORLD_SIZE), rank 0 runs it"]
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0"}):
+    with mock.patch.dict(os.environ, {**torchrun, "RANK": "0"}):
         code, stdout, err = ag(*argv)
     assert code in (0, 1) and (out / "validation.json").exists(), err
+    # a RANK and WORLD_SIZE left in the environment alone are no torchrun launch: the verb runs
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)
+        code, stdout, err = ag(*argv[:-1], tmp_path / "v2")
+    assert code in (0, 1) and (tmp_path / "v2" / "validation.json").exists(), err
 
 
 def test_locates_later_checkpoint_warning_names_where_the_loss_scale_came_from(tmp_path):

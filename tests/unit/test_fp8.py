@@ -204,12 +204,19 @@ def test_build_without_torchao_is_one_input_error_line(monkeypatch):
 
 
 def test_fp8_under_torchrun_is_refused_before_anything_is_converted(monkeypatch):
-    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
-        monkeypatch.setenv(name, value)  # what torchrun sets for a world of two processes
+    from ampguard import distributed
+
+    # a process group of two joined (train's under torchrun); validate under torchrun runs on rank 0
+    # alone, no group joined, where fp8 converts as anywhere (review 51k)
+    monkeypatch.setattr(distributed, "current", lambda: distributed.DistInfo(rank=0, world_size=2, local_rank=0))
     model = mlp()
     with pytest.raises(InputError, match=r"^precision: fp8 under torchrun is not supported yet"):
         prepare_model(load_config(None, ["precision=fp8"]), model)
     assert fp8_layers(model) == []
+    monkeypatch.undo()
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun sets, no group joined: validate's rank 0
+    assert fp8_layers(prepare_model(load_config(None, ["precision=fp8"]), mlp()))
 
 
 def test_prepare_model_copies_for_validate_and_leaves_other_precisions_alone():
