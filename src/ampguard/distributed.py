@@ -72,6 +72,7 @@ def current() -> DistInfo:
 
 
 _groups_joined = 0  # process groups init_from_env began in this process (a start-up stop's word is per group)
+_starts = [0]  # runs init_from_env started in this process, in one group or several (a refusal's word is per run)
 _alone = [False]  # this rank ends alone (end_alone): the group's collectives are not waited in any more
 _LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads beside WORLD_SIZE
 
@@ -163,6 +164,7 @@ def init_from_env(device_name: str) -> tuple[DistInfo, torch.device]:
     if use_cuda and not torch.cuda.is_available():
         raise InputError("device: cuda was asked for but no CUDA device is available")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    _starts[0] += 1  # (every rank starts the same runs in the same order: the same count)
     if not dist.is_initialized():
         global _groups_joined
         _groups_joined += 1
@@ -812,6 +814,12 @@ def peer_stopped() -> int | None:
     return code if code in (int(ExitCode.INTERRUPTED), int(ExitCode.TERMINATED)) else None
 
 
+def _refused_key() -> str:
+    """The store key of a start-up refusal's line: this run's (a process that runs several in one
+    group, a test's batch or a sweep, read an earlier run's refusal as its own)."""
+    return f"{_stop_key()}/refused/{_starts[0]}"
+
+
 def tell_refused(line: str) -> None:
     """This rank's start-up is refused (a bad input of its own: its node's file missing for the
     factory, a checkpoint it reads otherwise): its line in the store, the first rank's kept, for
@@ -827,7 +835,7 @@ def tell_refused(line: str) -> None:
     """
     if current().active:
         with contextlib.suppress(Exception):  # (first come: compare_set writes only where none is)
-            dist.distributed_c10d._get_default_store().compare_set(_stop_key() + "/refused", "", line)
+            dist.distributed_c10d._get_default_store().compare_set(_refused_key(), "", line)
 
 
 def peer_refused() -> str | None:
@@ -836,7 +844,7 @@ def peer_refused() -> str | None:
     if not current().active:
         return None
     try:
-        store, key = dist.distributed_c10d._get_default_store(), _stop_key() + "/refused"
+        store, key = dist.distributed_c10d._get_default_store(), _refused_key()
         return store.get(key).decode() if store.check([key]) else None
     except Exception:  # (the store went with the launcher)
         return None

@@ -91,8 +91,8 @@ def test_fp8_with_headroom_measures_against_bf16_the_format_it_computes_in(cli, 
                                     "not a model that holds one); use bf16"),
     (["--set", "fp8.recipe=delayed"], "config: fp8.recipe: Input should be 'tensorwise' or 'rowwise' "
                                       "(got 'delayed')"),
-    (["--set", "fp8.keep_first_last=maybe"], "config: fp8.keep_first_last: Input should be a valid boolean, "
-                                             "unable to interpret input (got 'maybe')"),
+    (["--set", "fp8.keep_first_last=maybe"], "config: fp8.keep_first_last: expected true or false, got the "
+                                             "text 'maybe'"),
     # a typo would leave the layer it meant to keep in bf16 in float8
     (["--set", "task.name=digits", "--set", "fp8.exclude=[2, nosuch*]"],
      "precision: fp8: fp8.exclude 'nosuch*' matches no Linear layer of the model (it has '0', '2', '4')"),

@@ -60,10 +60,16 @@ last S; the resumes P, Q, W's, and G last); T, H, W and B1 each end their launch
   before anything is written (DDP's parameter-size traceback).
 - ``Q``: K's run resumed from step 4 on rank 0 and step 6 on rank 1: refused on every rank, K's
   folder left as it was (rank 0 cut it back while rank 1 trained on, then the job hung).
+- ``N``: rank 1's factory cannot read its node's file: every rank refuses with its line, exit 2
+  (rank 0 said "interrupted", exit 143); ``NB``: rank 0's factory fails while rank 1 waits at the
+  factory's barrier: the same, and no hang. Each a launch of its own (the refusing rank leaves
+  the group: the store holds its line for the others).
+- ``Y``: rank 1 given its own ``task.options`` (a node's data path), then ``Y-resume`` each node
+  given its own again: it resumes (rank 1 was refused alone against rank 0's config).
 
 A launch costs ~12 s of CPU, two thirds of it its three processes importing torch, so a claim
 that can share a run does (the unused head rides on E, P's checkpoint is K's), and the runs whose
-ranks all end at the same point (S, D, E, X, R, V, K, Z, C, M, B; then P, Q and W's resume) run one after
+ranks all end at the same point (S, D, E, X, R, V, K, Z, C, M, Y, B; then P, Q, W's and Y's resumes) run one after
 another in one launch each (``helpers.Batch``): this module's launches were a quarter of the
 suite's CPU.
 
@@ -90,7 +96,7 @@ pytestmark = TORCHRUN
 TIMEOUT_S = EARLY_TIMEOUT_S
 # their ranks end together: one launch (helpers.Batch), in this order; S last, the launch's own end
 # (O and L: a SIGTERM that every rank agrees on; each run begins with a fresh process's handlers)
-BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "N", "Y", "B", "O", "L", "F", "S")
+BATCHED = ("D", "E", "X", "R", "V", "K", "Z", "C", "M", "Y", "B", "O", "L", "F", "S")
 RUN = ["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "device=cpu",
        "--set", "task.batch_size=8", "--set", "eval.enabled=false", "--set", "log.dir=runs"]
 SHARDED_EVAL = '''
@@ -216,6 +222,10 @@ class Batches:
 def build(config):
     if str(config.task.options.get("missing_on", "")) == os.environ["RANK"]:  # (a node's own file, missing)
         raise FileNotFoundError(f"node_data/rank{os.environ['RANK']}.pt")
+    if config.task.options.get("barrier_fail"):  # rank 0 prepares the data, the others wait at a barrier
+        if os.environ["RANK"] == "0":
+            raise FileNotFoundError("data/train.bin: the download did not come")
+        torch.distributed.barrier()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(8)]
@@ -268,6 +278,7 @@ def early(work: Path) -> dict[str, tuple]:
         "B1": [*KILLED_RUN[:-1], "log.name=B1"],
         "M": [*KILLED_RUN[:-1], "log.name=M", "--set", "task.options.table=3"],
         "N": [*KILLED_RUN[:-1], "log.name=N", "--set", "task.options.missing_on=1"],
+        "NB": [*KILLED_RUN[:-1], "log.name=NB", "--set", "task.options.barrier_fail=true"],
         "Y": [*KILLED_RUN[:-1], "log.name=Y", "--set", "steps=2", "--set", "task.options.node=a"],
         "G": [*RUN, "--set", "steps=4", "--set", "log.name=G"],
         "T": [*RUN, "--set", "steps=1000000", "--set", "log.every=100000", "--set", "checkpoint.every=100000",
@@ -642,12 +653,23 @@ def test_ranks_whose_options_build_models_of_other_shapes_are_refused_before_any
 
 def test_a_start_up_refusal_on_one_rank_alone_is_every_ranks_with_its_line(launches):
     # review_51g: rank 1's factory could not read its node's file: rank 1 exit 2, rank 0 "ampguard:
-    # interrupted", exit 143, waiting for torchrun's SIGTERM in its next collective
+    # interrupted", exit 143, waiting for torchrun's SIGTERM in its next collective (a launch of its
+    # own: rank 1 leaves the group, which ends rank 0's collective; the refusal's line is in the store)
     code, out, err, cwd = launches["N"]
     assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
     lines = [x for x in err.splitlines() if x.startswith("ampguard: ")]
     assert len(lines) == 2 and len(set(lines)) == 1 and "FileNotFoundError: node_data/rank1.pt" in lines[0], lines
     assert not (cwd / "runs").exists()
+
+
+def test_a_factory_refused_on_rank_0_while_rank_1_waits_at_its_barrier_is_every_ranks_line(launches):
+    # review_51k: a gather of the start-up's refusals hung this job (rank 0 in the gather, rank 1 in
+    # the factory's barrier); the refusal's line left in the store ends both, exit 2 (a launch of its
+    # own: rank 0 leaves the group, which ends rank 1's barrier)
+    code, out, err, cwd = launches["NB"]
+    assert rank_codes(cwd) == {0: ExitCode.BAD_INPUT, 1: ExitCode.BAD_INPUT}, f"torchrun exited {code}\n{err[-3000:]}"
+    lines = [x for x in err.splitlines() if x.startswith("ampguard: ")]
+    assert len(lines) == 2 and len(set(lines)) == 1 and "the download did not come" in lines[0], lines
 
 
 def test_a_run_whose_nodes_have_their_own_task_options_resumes_with_them(launches):

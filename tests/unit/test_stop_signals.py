@@ -26,11 +26,14 @@ def sigterm_put_back():
         signal.signal(signal.SIGTERM, before)
 
 
-def _peers(gone: BaseException, *, stopped: int | None = None, told: list | None = None) -> SimpleNamespace:
+def _peers(gone: BaseException, *, stopped: int | None = None, told: list | None = None,
+           refused: str | None = None) -> SimpleNamespace:
     """The other ranks as a start-up hears of them: ``gone`` is the error of a peer's end, a peer
-    left word of its stop with code ``stopped`` (None: none did), this rank's word goes to ``told``."""
-    return SimpleNamespace(gone=lambda err: err is gone, stopped=lambda: stopped,
-                 tell=(told if told is not None else []).append)
+    left word of its stop with code ``stopped`` (None: none did), this rank's word goes to ``told``;
+    a peer's refusal left the line ``refused`` (None: none did), this rank's goes to ``told`` too."""
+    told = told if told is not None else []
+    return SimpleNamespace(gone=lambda err: err is gone, stopped=lambda: stopped, tell=told.append,
+                           refuse=told.append, refused=lambda: refused)
 
 
 def _term_soon(after_s: float = 0.2) -> threading.Timer:
@@ -182,3 +185,19 @@ def test_a_ctrl_c_once_the_exit_code_is_decided_ends_the_process_with_that_code(
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "ended: finished: 2 steps" in done.stdout and done.stdout.rstrip().endswith("teardown")
     assert "Traceback" not in done.stderr
+
+
+def test_a_refusal_is_left_for_the_peers_and_a_peers_refusal_is_raised_as_its_line():
+    # review_51g, 51k: a start-up refused on one rank alone (its node's file missing) ended the
+    # others as "interrupted", 143; a gather of the refusals hung a factory's barrier
+    from ampguard.errors import InputError
+
+    told: list = []
+    with pytest.raises(InputError, match="^steps.csv already exists$"), opening(lambda signum: None,
+                                                                                _peers(ValueError(), told=told)):
+        raise InputError("steps.csv already exists")
+    assert told == ["steps.csv already exists"]
+    gone = RuntimeError("Connection closed by peer")
+    with pytest.raises(InputError, match="^task.factory f.py:build raised FileNotFoundError$"), opening(
+            lambda signum: None, _peers(gone, refused="task.factory f.py:build raised FileNotFoundError")):
+        raise gone

@@ -134,7 +134,8 @@ def test_opening_hands_a_main_thread_waiting_in_c_to_on_stuck_after_the_grace(mo
         told.append("on_stuck")
         os.write(write, b"x")
 
-    peers = SimpleNamespace(gone=lambda err: False, stopped=lambda: None, tell=told.append)
+    peers = SimpleNamespace(gone=lambda err: False, stopped=lambda: None, tell=told.append, refuse=told.append,
+                            refused=lambda: None)
     try:
         with pytest.raises(Interrupted):  # (let go, the main thread runs the handler it owed)
             with opening(on_stuck, peers):
