@@ -2009,10 +2009,11 @@ class RunMonitor:
 
 
 SPIKE_STD_FLOOR = 2.0 ** -7  # (bfloat16's machine epsilon)
-"""The smallest spread :class:`LossSpikeDetector` judges by, relative to the window's mean (at
-least 1): bfloat16's resolution there, the coarsest a loss is computed in (float32's called the
-next bf16 value of a flat bf16 loss, +0.4%, a spike: review 51j). With ``z`` 6, a flat window's
-next loss is a spike from about 5% above it."""
+"""The smallest spread :class:`LossSpikeDetector` judges by, relative to the window's mean (and
+2**-23 beside it, for a mean of 0): bfloat16's resolution there, the coarsest a loss is computed
+in (float32's called the next bf16 value of a flat bf16 loss, +0.4%, a spike: review 51j; a floor
+of at least 2**-7 hid a converged 0.01 going to 0.03: 51m). With ``z`` 6, a flat window's next
+loss is a spike from about 5% above it."""
 
 
 class LossSpikeDetector:
@@ -2048,7 +2049,7 @@ class LossSpikeDetector:
             mean = w.mean
             # (at least bfloat16's resolution at the mean: a window of equal losses, a cross-entropy
             # at 0 or stuck at ln 2, has no spread, and the next loss one rounding up was a "spike")
-            std = max(math.sqrt(max(0.0, self._sq.total / w.size - mean * mean)), SPIKE_STD_FLOOR * max(abs(mean), 1.0))
+            std = max(math.sqrt(max(0.0, self._sq.total / w.size - mean * mean)), SPIKE_STD_FLOOR * abs(mean) + 2.0**-23)
             if loss > mean + self.z * std:
                 return True
         self._sum.push(loss)

@@ -535,17 +535,22 @@ def opening(on_stuck: Callable[[int], None], peers: Peers | None = None) -> Iter
             try:
                 yield
             except KeyboardInterrupt as err:  # (Interrupted: a SIGTERM's)
+                if peers is not None and (refused := peers.refused()) is not None:
+                    raise InputError(refused) from None  # (torchrun's SIGTERM after a peer's refusal: its line)
                 if peers is not None:
                     peers.tell(int(getattr(err, "exit_code", ExitCode.INTERRUPTED)))
                 raise
             except Exception as err:
                 if peers is not None:
-                    # a peer refused its start-up (its line, exit 2 on every rank; this rank's own error is
-                    # the collective or the factory's barrier that failed as it left: review 51g, 51k)
-                    refused = peers.refused()
+                    # a peer refused its start-up (its line, exit 2 on every rank) where this rank's error is
+                    # the peer leaving (its collective, or the factory's barrier, wrapped: review 51g, 51k);
+                    # an error of this rank's own is its own (review 51m)
+                    cause = err.__cause__ or err.__context__
+                    left = peers.gone(err) or (cause is not None and peers.gone(cause))
+                    refused = peers.refused() if left else None
                     if refused is not None:
                         raise InputError(refused) from None
-                    if isinstance(err, InputError):  # (this rank's: word of it for the peers, before it leaves)
+                    if isinstance(err, InputError) and not left:  # (this rank's: word of it for the peers)
                         peers.refuse(str(err).splitlines()[0] if str(err) else type(err).__name__)
                 if installed and peers is not None and peers.gone(err):
                     code = peers.stopped()

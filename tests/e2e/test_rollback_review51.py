@@ -7,6 +7,7 @@ rounding higher a spike."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -102,3 +103,24 @@ def test_a_regression_that_cannot_be_rolled_back_sets_aside_the_checkpoints_save
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("step-*.pt"))[-1] == "step-00000004.pt"
     code, out, err = ag("train", "--resume", tmp_path / "r", "--inject", "none")
     assert code == 0 and "RESUME 4" in out, out
+
+
+# review_51m: the floor of 2**-7 x max(|mean|, 1) hid a converged small loss's jump
+
+
+@pytest.mark.parametrize("level, noise", [(0.01, 3e-4), (0.05, 1e-3), (0.2, 2e-3)])
+def test_a_fivefold_spike_of_a_low_noise_converged_loss_is_a_spike(level, noise):
+    rng = random.Random(0)
+    d = LossSpikeDetector(window=50, z=6.0)
+    for _ in range(50):
+        assert not d.check(level + rng.gauss(0, noise))
+    assert d.check(level * 3), "a 3x jump of a converged loss was not a spike"
+
+
+def test_spike_floor_still_ignores_a_bf16_rounding_of_a_flat_small_loss():
+    d = LossSpikeDetector(window=50, z=6.0)
+    level = 0.01
+    for _ in range(50):
+        d.check(level)
+    nxt = float(torch.nextafter(torch.tensor(level, dtype=torch.bfloat16), torch.tensor(1.0, dtype=torch.bfloat16)))
+    assert not d.check(nxt)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from ampguard import distributed, signals
-from ampguard.errors import ExitCode
+from ampguard.errors import ExitCode, InputError
 from ampguard.signals import Interrupted, opening, terminated_as_interrupted
 
 
@@ -190,8 +190,6 @@ def test_a_ctrl_c_once_the_exit_code_is_decided_ends_the_process_with_that_code(
 def test_a_refusal_is_left_for_the_peers_and_a_peers_refusal_is_raised_as_its_line():
     # review_51g, 51k: a start-up refused on one rank alone (its node's file missing) ended the
     # others as "interrupted", 143; a gather of the refusals hung a factory's barrier
-    from ampguard.errors import InputError
-
     told: list = []
     with pytest.raises(InputError, match="^steps.csv already exists$"), opening(lambda signum: None,
                                                                                 _peers(ValueError(), told=told)):
@@ -201,3 +199,38 @@ def test_a_refusal_is_left_for_the_peers_and_a_peers_refusal_is_raised_as_its_li
     with pytest.raises(InputError, match="^task.factory f.py:build raised FileNotFoundError$"), opening(
             lambda signum: None, _peers(gone, refused="task.factory f.py:build raised FileNotFoundError")):
         raise gone
+
+
+def _refusing_peers(refused: str) -> SimpleNamespace:
+    """Peers one of which refused its start-up with ``refused`` (review 51m)."""
+    return SimpleNamespace(gone=lambda err: False, stopped=lambda: None, tell=[].append, refuse=[].append,
+                           refused=lambda: refused)
+
+
+def test_a_ranks_own_crash_is_not_replaced_by_a_peers_refusal_line():
+    # rank 1's own bug (not a collective that failed because rank 0 left) while rank 0 refused
+    # its start-up: rank 1 must still say (and trace back) its own error
+    peers = _refusing_peers("task.factory f.py:build raised FileNotFoundError: node_data/rank0.pt")
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        with opening(lambda signum: None, peers):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_a_ranks_own_refusal_is_its_own_line_not_the_first_peers():
+    peers = _refusing_peers("task.factory f.py:build raised FileNotFoundError: node_data/rank0.pt")
+    with pytest.raises(InputError, match="rank1"):
+        with opening(lambda signum: None, peers):
+            raise InputError("task.factory f.py:build raised FileNotFoundError: node_data/rank1.pt")
+
+
+def test_torchruns_sigterm_after_a_peers_refusal_ends_this_rank_with_the_refusal():
+    # rank 0 refused and left; torchrun's SIGTERM reaches rank 1 while its factory still loads:
+    # it said "ampguard: interrupted", exit 143 (torchrun launch A of the review)
+    peers = _refusing_peers("task.factory f.py:build raised FileNotFoundError: node_data/rank0.pt")
+    raised = None
+    try:
+        with opening(lambda signum: None, peers):
+            raise Interrupted(143)
+    except BaseException as err:  # (an Interrupted would end pytest's session)
+        raised = err
+    assert isinstance(raised, InputError) and "rank0.pt" in str(raised), repr(raised)
