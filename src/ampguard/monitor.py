@@ -2049,7 +2049,8 @@ class LossSpikeDetector:
             mean = w.mean
             # (at least bfloat16's resolution at the mean: a window of equal losses, a cross-entropy
             # at 0 or stuck at ln 2, has no spread, and the next loss one rounding up was a "spike")
-            std = max(math.sqrt(max(0.0, self._sq.total / w.size - mean * mean)), SPIKE_STD_FLOOR * abs(mean) + 2.0**-23)
+            floor = SPIKE_STD_FLOOR * abs(mean) + 2.0**-23
+            std = max(math.sqrt(max(0.0, self._sq.total / w.size - mean * mean)), floor)
             if loss > mean + self.z * std:
                 return True
         self._sum.push(loss)
