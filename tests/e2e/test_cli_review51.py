@@ -140,3 +140,13 @@ def test_a_number_for_a_boolean_setting_is_refused_naming_the_key(setting, shown
     assert one_error_line(ag("train", *LINEAR, "--set", setting, "--print-config")) == (
         f"ampguard: error: config: {key}: expected true or false, got {shown}")
     ok(ag("train", *LINEAR, "--set", f"{key}=yes", "--print-config"))  # (the words stay: README)
+
+
+def test_a_config_that_declares_yaml_1_1_is_refused_naming_the_directive(tmp_path):
+    # review_51f: read as YAML 1.2 all the same, unsaid (its 010 ten, not 8)
+    (tmp_path / "y11.yaml").write_text("%YAML 1.1\n---\nsteps: 010\n", encoding="utf-8")
+    (tmp_path / "y12.yaml").write_text("%YAML 1.2\n---\nsteps: 010\n", encoding="utf-8")
+    assert one_error_line(ag("train", tmp_path / "y11.yaml", "--print-config")).endswith(
+        "the file declares %YAML 1.1; configs are read as YAML 1.2 (010 is ten, yes is text): drop the directive, "
+        "or declare %YAML 1.2")
+    assert "steps: 10\n" in ok(ag("train", tmp_path / "y12.yaml", "--print-config"))
