@@ -505,8 +505,10 @@ def opening(on_stuck: Callable[[int], None], peers: Peers | None = None) -> Iter
     A peer that left no word (killed) is waited for up to :data:`PEER_STOP_WAIT_S` for that
     signal, which then ends this rank as its own would; with none the error is raised as it came.
     A rank whose start-up is refused (an :class:`~ampguard.errors.InputError`) leaves its line
-    with ``peers.refuse``; a peer whose start-up then fails, however (its next collective, a
-    barrier in its own factory), raises that line (``peers.refused()``): exit 2 on every rank.
+    with ``peers.refuse``; a peer whose start-up error is that rank leaving (its next collective,
+    a barrier in its own factory: ``peers.gone`` of the error or of its cause), or whom the
+    launcher's SIGTERM reaches after it, raises that line (``peers.refused()``): exit 2 on every
+    rank. A rank's own crash or own refusal stays its own.
 
     Example::
 
