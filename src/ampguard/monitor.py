@@ -35,6 +35,10 @@ from .records import StepRecord
 
 HEALTH_VERDICTS: tuple[str, ...] = ("warming", "climbing", "stable", "oscillating", "collapsing")
 
+AT_THE_END = "at the end of the run (step "
+"""How a run's end says the guard stopped it for what its judgement at the end found
+(:meth:`RunMonitor.at_end`): ``stopped by the guard at the end of the run (step N): ...`` (a
+trainer's, a callback's ``by a guard``); ``report`` reads it back (``report.judged_at_end``)."""
 FAIL_SKIP_RATE = "skip_rate"
 """``Event.cause`` of a fail-fast on the rolling skip rate (above ``fail_rate`` for ``fail_after`` steps)."""
 FAIL_SCALE_COLLAPSE = "scale_collapse"

@@ -23,7 +23,7 @@ from .errors import (ExitCode, InputError, check_folder_of, counted, failed_beca
                      whole_number)
 from .files import replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
-from .monitor import THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
+from .monitor import AT_THE_END, THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
@@ -683,8 +683,7 @@ def judged_at_end(ended: str) -> bool:
         >>> judged_at_end("interrupted (SIGINT) after step 7")
         False
     """
-    return ended.startswith("finished: ") or ended.startswith(("stopped by the guard at the end of the run (step ",
-                                                                "stopped by a guard at the end of the run (step "))
+    return ended.startswith(("finished: ", f"stopped by the guard {AT_THE_END}", f"stopped by a guard {AT_THE_END}"))
 
 
 def segment_ends(run_dir: Path) -> list[int]:

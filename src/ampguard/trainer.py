@@ -39,7 +39,7 @@ from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnos
                      Stop, TriggerBatches, rollback_reach)
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms, check_headroom_rows
 from .integrations.trackers import TrackerSink, check_trackers
-from .monitor import Event, LossSpikeDetector, RunMonitor
+from .monitor import AT_THE_END, Event, LossSpikeDetector, RunMonitor
 from .precision import scale_in_use
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
@@ -471,7 +471,7 @@ class Trainer:
         if not events or events[-1].kind != "fail":  # (a failure is the last event at_end gives)
             return None
         failed = events[-1]
-        return Stop(ExitCode.GUARD, f"stopped by the guard at the end of the run (step {failed.step}): {failed.message}",
+        return Stop(ExitCode.GUARD, f"stopped by the guard {AT_THE_END}{failed.step}): {failed.message}",
                     failed.cause)
 
     def handle(self, records: Iterator[tuple[StepRecord, dict[str, float] | None]]) -> Stop | None:

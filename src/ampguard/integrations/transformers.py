@@ -50,7 +50,7 @@ from ..clipping import global_l2_norm
 from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line, folder_problem, shortened, unwritable
 from ..events import EventLog, event_word
 from ..files import replace_atomically
-from ..monitor import DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
+from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
 from ..precision import Precision, check_scaler_settings
 from ..records import SkipLog, StepLog, StepRecord
 from ..signals import Interrupted, StopFlag, stop_on_signals
@@ -723,7 +723,7 @@ class AmpGuardCallback(TrainerCallback):
             self._tell(self.monitor.at_end(self.monitor.steps))
             if self.monitor.failed is not None:
                 self.failed = self.monitor.failed
-                self.ended = f"stopped by a guard at the end of the run (step {self.failed.step}): {self.failed.message}"
+                self.ended = f"stopped by a guard {AT_THE_END}{self.failed.step}): {self.failed.message}"
         self.ended = self.ended or _ended_by_itself(state, control, self.monitor.steps, pruned=self._reporting)
         self._finish()
 
