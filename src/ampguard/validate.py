@@ -1309,6 +1309,20 @@ def classify_probe(fp32_decision: int, amp_decision: int, fp32_margin: float, am
     return "tie" if made_a_tie else "same"
 
 
+def _tie_rule(cfg: Any) -> str:
+    """The tie rule as the decision rule's row and the report's rules paragraph word it
+    (:func:`classify_probe`'s, under ``validation.tie_margin`` and ``validation.ties``).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> _tie_rule(validate({"validation": {"tie_margin": 0.001}}).validation)
+        "another class where FP32's top-2 gap is <= 0.001, or FP32's class kept by AMP's gap <= it, or by an exact tie, where FP32's is not; ties count as flips"
+    """
+    return (f"another class where FP32's top-2 gap is <= {cfg.tie_margin:g}, or FP32's class kept by AMP's gap <= it, "
+            f"or by an exact tie, where FP32's is not; ties {TIE_POLICIES[cfg.ties]}")
+
+
 def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.Tensor) -> None:
     """Decisions per probe (argmax of the first output): flips, ties, the records, the rule."""
     ref_decision, ref_margin = _top2(ref)
@@ -1344,9 +1358,7 @@ def _decisions(result: PrecisionResult, cfg: Any, ref: torch.Tensor, amp: torch.
                        f"{r['fp32_margin']:.3g} amp {r['amp_margin']:.3g})" for i, r in enumerate(rows))
 
     kept = f"; reference ties AMP kept (not counted): {len(reference_ties)}{listed(reference_ties)}" if reference_ties else ""
-    result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: another class where FP32's top-2 gap is <= "
-                             f"{cfg.tie_margin:g}, or FP32's class kept by AMP's gap <= it, or by an exact tie, where "
-                             f"FP32's is not; ties {TIE_POLICIES[cfg.ties]})",
+    result.rules.append(Rule(f"decision changes <= {cfg.max_flips} (tie: {_tie_rule(cfg)})",
                              "0", f"{counted(len(result.flips), 'flip')}{listed(result.flips)}; "
                              f"{counted(len(result.ties), 'tie')}{listed(result.ties)}{kept}", ok))
 
@@ -1662,10 +1674,7 @@ def _rules_paragraph(v: Validation, cfg: Any) -> str:
     """
     rules = [f"scores {tolerance_text(cfg.abs_tol, cfg.rel_tol)}{' (outputs not named below)' if cfg.outputs else ''}",
              *(f"output {name}: {tolerance_text(*tolerance(cfg, name))}" for name in cfg.outputs),
-             *([f"at most {cfg.max_flips} decision changes (a tie: another class where FP32's top-2 gap is <= "
-                f"{cfg.tie_margin:g}, or FP32's class kept by AMP's gap <= it, or by an exact tie, where FP32's "
-                f"is not; "
-                f"ties {TIE_POLICIES[cfg.ties]})"]
+             *([f"at most {cfg.max_flips} decision changes (a tie: {_tie_rule(cfg)})"]
                if v.mode == "classifier" else []),
              "no non-finite output"]
     if v.mode == "classifier" and cfg.min_accuracy is not None:
