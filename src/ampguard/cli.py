@@ -749,7 +749,9 @@ def _another_rank() -> tuple[int, int] | None:
         ...     _another_rank() is None
         True
     """
-    if not all(os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")):
+    from .distributed import _LAUNCH_VARIABLES
+
+    if not all(os.environ.get(name) for name in _LAUNCH_VARIABLES):  # (torchrun's, beside WORLD_SIZE)
         return None
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -1619,8 +1619,10 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     given = [key for key in given_keys(config)
              if only is None or any(key == o or key.startswith(f"{o}.") for o in only)]
 
-    def under(prefix: str, why: str) -> list[str]:  # (a section's own switch, `enabled`, is read: it says why)
-        keys = [key for key in given if key.startswith(prefix) and key != f"{prefix}enabled"]
+    def under(prefix: str | tuple[str, ...], why: str, switch: str = "enabled") -> list[str]:
+        # (a section's own switch, `enabled` or `rollback.triggers`, is read: it says why)
+        switches = {f"{p}{switch}" for p in ((prefix,) if isinstance(prefix, str) else prefix)}
+        keys = [key for key in given if key.startswith(prefix) and key not in switches]
         return [f"{why}: {', '.join(keys)} ignored"] if keys else []
 
     if verb == "validate":
@@ -1641,12 +1643,11 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     if opt.name == "adamw":
         lines += under("optimizer.momentum", "optimizer adamw has no momentum setting (SGD's)")
     else:
-        lines += [line for key in ("optimizer.betas", "optimizer.eps")
-                  for line in under(key, "optimizer sgd has no betas or eps (AdamW's)")]
+        lines += under(("optimizer.betas", "optimizer.eps"), "optimizer sgd has no betas or eps (AdamW's)")
     if config.schedule.decay == "constant":
         lines += under("schedule.min_lr_ratio", "schedule.decay is constant (no decay to a floor)")
     if not config.rollback.triggers:
-        lines += under("rollback.", "rollback.triggers is empty (no rollback)")
+        lines += under("rollback.", "rollback.triggers is empty (no rollback)", switch="triggers")
     if not config.eval.enabled:
         lines += under("eval.every", "eval.enabled is false")
     mon = config.monitor
