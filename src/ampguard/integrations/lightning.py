@@ -222,9 +222,7 @@ class AmpGuardPlugin(_LightningPrecision):
         self.max_norm = max_norm
         # ("~/steps.csv" is the home folder's, as Hugging Face's output_dir and ampguard's config paths)
         self.csv = Path(os.path.expanduser(csv)) if csv is not None else None
-        self._csv_on = self.csv is not None  # (this fit writes it: not under fast_dev_run)
         self._dev_run = False  # (this fit is a fast_dev_run: it writes no CSV and serves no sinks)
-        self._said_fast_dev_run = False
         self.extra_sinks = list(sinks)
         self.log = log
         # ampguard train's and GuardedTrainer's floor: the scale never falls below 1.0 (a floor of
@@ -337,9 +335,10 @@ class AmpGuardPlugin(_LightningPrecision):
             self._accumulation = _group_size(module, trainer)
             self._fitting = trainer  # past the refusals: the sinks are this fit's, closed at its end
             self._unlogged_skips = {}  # (a fit's own: the last fit's unlogged skips are not this one's)
-            self._dev_run = bool(trainer.fast_dev_run)  # (no CSV, no sinks: _csv_written)
-            self._csv_on = self._csv_written(trainer)
-            if self._csv_on:
+            self._dev_run = bool(trainer.fast_dev_run)
+            if self._dev_run:
+                self._say_dev_run()
+            elif self.csv is not None:
                 self._csv_fits.add(os.path.abspath(self.csv))
         return model, optimizers, lr_schedulers
 
@@ -361,22 +360,19 @@ class AmpGuardPlugin(_LightningPrecision):
             raise ValueError(_clip_refusal(trainer))
         if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
             raise ValueError("AmpGuardPlugin cannot guard LBFGS (its step re-runs the closure)")
-        if trainer.is_global_zero and self._csv_written(trainer):  # (rank 0's verdict on its CSV: the others never look)
+        # (rank 0's verdict on its CSV: the others never look; a fast_dev_run writes none)
+        if trainer.is_global_zero and self.csv is not None and not trainer.fast_dev_run:
             self._check_csv(trainer, len(optimizers))
 
-    def _csv_written(self, trainer: pl.Trainer) -> bool:
-        """Whether this fit writes ``csv`` (and its sinks): not under ``fast_dev_run``, Lightning's
-        smoke test, which writes no logs nor checkpoints (its CSV, or a sink's file, then refused
-        the real fit as "already exists", its sinks closed; reviews 51d, 51l); said once."""
-        if trainer.fast_dev_run:
-            if not self._said_fast_dev_run and (self.csv is not None or self.extra_sinks):
-                self._said_fast_dev_run = True
-                what = " and ".join(w for w in (f"csv={_said(self.csv)}" if self.csv is not None else "",
-                                                "the sinks" if self.extra_sinks else "") if w)
-                rank_zero_warn(f"AmpGuardPlugin: fast_dev_run: {what} not written, as Lightning writes no logs in "
-                               "it", category=AmpguardWarning)
-            return False
-        return self.csv is not None
+    def _say_dev_run(self) -> None:
+        """A ``fast_dev_run`` fit, Lightning's smoke test, writes no logs nor checkpoints, and the
+        plugin neither its ``csv`` nor its sinks (their files, or the sinks closed at its end,
+        refused the real fit after it: reviews 51d, 51l); said where there are any."""
+        what = " and ".join(w for w in (f"csv={_said(self.csv)}" if self.csv is not None else "",
+                                        "the sinks" if self.extra_sinks else "") if w)
+        if what:
+            rank_zero_warn(f"AmpGuardPlugin: fast_dev_run: {what} not written, as Lightning writes no logs in it",
+                           category=AmpguardWarning)
 
     def _check_csv(self, trainer: pl.Trainer, optimizers: int) -> None:
         """The CSV's refusals, before the fit trains (the file opens at the first record, after
@@ -489,7 +485,7 @@ class AmpGuardPlugin(_LightningPrecision):
         if self._dev_run:  # (Lightning's smoke test: its loggers write nothing, nor do these)
             return sinks
         if trainer.is_global_zero:
-            if self.csv is not None and self._csv_on:
+            if self.csv is not None:
                 assert self.guard is not None  # (sinks open at the first record)
                 resumed = self._resumed_at is not None and self.csv.exists()
                 # with several optimizers each row names them and the ones skipped (a GAN's D and G rows)
