@@ -29,8 +29,8 @@ from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (_linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, judged_at_end, panel_title,
-                     plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
+from .report import (EventLog, _linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, judged_at_end,
+                     panel_title, plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
                      rolling_skip_rate, scale_restarts, segment_ends, shown, threshold_by_step, threshold_line,
                      threshold_text, whole_steps)
 from .run_folder import RunPaths
@@ -112,12 +112,13 @@ def load_run(path: str | Path) -> RunSummary:
     ended, card = _card(folder / "RUN.md")
     scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
-    policy, rollbacks = policy_changes_of(folder), rollbacks_of(folder)
+    log = EventLog(folder)  # (read once: one history for the replay and its notes)
+    policy, rollbacks = policy_changes_of(log), rollbacks_of(log)
     held = read_held_out(folder / "steps.csv", rows, extra)  # (once: the replay's metrics and the notes')
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks, metrics=held.metrics, finished=judged_at_end(ended), ends=segment_ends(folder),
-                     scales=scale_restarts(folder, rows, config.scaler.init_scale) if scaler_on else None)
-    notes = reading_notes(folder / "steps.csv", rows, torn, folder, extra, config, policy, held=held)
+                     rollbacks=rollbacks, metrics=held.metrics, finished=judged_at_end(ended), ends=segment_ends(log),
+                     scales=scale_restarts(log, rows, config.scaler.init_scale) if scaler_on else None)
+    notes = reading_notes(folder / "steps.csv", rows, torn, log, extra, config, policy, held=held)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)
 
 

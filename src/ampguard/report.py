@@ -139,7 +139,7 @@ def read_held_out(csv_path: str | Path, rows: Sequence[Row], extra: Sequence[Map
     return HeldOut(held_out_metrics(csv_path, extra, notes, [r.step for r in rows]), notes)
 
 
-def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | None = None,
+def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | EventLog | None = None,
                   extra: Sequence[Mapping[str, str]] = (), config: Config | None = None,
                   policy: Sequence[dict[str, Any]] = (), unobserved: int = 0,
                   held: HeldOut | None = None) -> list[str]:
@@ -183,11 +183,13 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
                      f"{'' if len(past) == 1 else f'-{past[-1]}'}: not the run's own; added by hand?): its figures "
                      "count them")
     notes += value_notes(csv_path, rows, extra, max_norms, own=config is not None, held=held)
+    log = EventLog.of(run_dir) if run_dir is not None else None
+    run_dir = log.dir if log is not None else None
     if run_dir is not None and not (run_dir / "events.jsonl").exists():
         notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
                      "happened")
-    elif run_dir is not None and (unread := _events_kept(run_dir, lambda event: event.get("event") == "rollback" and not
-                                                          whole_number(event.get("updates_undone")), at_resume=True)):
+    elif log is not None and (unread := log.kept(lambda event: event.get("event") == "rollback" and not
+                                                 whole_number(event.get("updates_undone")), at_resume=True)):
         notes.append(f"{run_dir / 'events.jsonl'} has {counted(len(unread), 'rollback')} with no count of the "
                      f"updates it undid (step {unread[0].get('step')}: updates_undone "
                      f"{unread[0].get('updates_undone')!r}): passed over, its updates counted as applied")
@@ -317,7 +319,7 @@ REPLAYED_POLICY = {"max_norm": "max_norm", "monitor.alert_rate": "alert_rate", "
 config key, and the :class:`RunMonitor` attribute it sets."""
 
 
-def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
+def policy_changes_of(run_dir: Path | EventLog) -> list[dict[str, Any]]:
     """The run's policy changes on resume that a replay follows (:data:`REPLAYED_POLICY`), from its
     ``events.jsonl`` in the order they were made: each ``{key, old, new, step}``, applied from
     ``step + 1`` (as :func:`_events_kept` keeps them).
@@ -343,7 +345,7 @@ def policy_changes_of(run_dir: Path) -> list[dict[str, Any]]:
         and "new" in event and _policy_value(event["key"], event["old"]) and _policy_value(event["key"], event["new"])))
 
 
-def rollbacks_of(run_dir: Path) -> list[dict[str, Any]]:
+def rollbacks_of(run_dir: Path | EventLog) -> list[dict[str, Any]]:
     """The run's rollbacks that a replay follows, from its ``events.jsonl`` (as :func:`_events_kept`
     keeps them): each ``{step, updates_undone, ...}``. After its step the run forgot its rolling
     skip window and the updates the checkpoint did not hold (:func:`replay` does the same).
@@ -370,7 +372,7 @@ HEADROOM_ALERTS_SHOWN = 3
 """How many headroom alerts the run card and ``report`` name (the rest counted)."""
 
 
-def headroom_alerts_text(run_dir: Path | None, alert_bits: float | None = None) -> str:
+def headroom_alerts_text(run_dir: Path | EventLog | None, alert_bits: float | None = None) -> str:
     """The run's ``headroom_alert`` events (as :func:`_events_kept` keeps them), in a few words: how
     many, and the first few (step, module, tensor, judged bits, shown on their side of the alert's
     threshold: its ``alert_bits``, or ``alert_bits`` given here for an event without one): the
@@ -424,38 +426,85 @@ def headroom_alerts_text(run_dir: Path | None, alert_bits: float | None = None) 
     return f"{len(alerts)} ({shown_}{'; ...' if len(alerts) > HEADROOM_ALERTS_SHOWN else ''})"
 
 
-def _events_kept(run_dir: Path, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False
-                 ) -> list[dict[str, Any]]:
-    """The events of the run's ``events.jsonl`` that ``wanted`` takes, in the order they were made.
-    A ``resume`` at step s abandons what came after s, so those made before it later than s go
-    (that future was trained again without them), and those at s too unless ``at_resume``: a
-    policy change at s was made by an earlier resume from s, for steps after it; a rollback at s
-    happened in step s, before that step's checkpoint was saved. ``[]`` without the file; a line that is no
-    JSON object with a whole-number step (a torn last line) is passed over, as is one ``wanted``
-    refuses (values that are not of their kind: a hand edit)."""
-    import json
+class EventLog:
+    """A run folder's ``events.jsonl``, read once (at the first question) and asked many times:
+    ``report`` and ``compare`` derive a replay's inputs from it (policy changes, rollbacks, segment
+    ends, scale restarts, the end), each from the same reading, so a live run's log appended
+    between them cannot give one replay two different histories. The functions that take a run
+    folder take one of these in its place.
 
-    kept: list[dict[str, Any]] = []
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    try:
-        _regular(path)
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as err:
-        raise InputError(f"{path}: cannot read the run's events ({failed_because(err)})") from None
-    for line in lines:
+    Example::
+
+        >>> import json, shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> _ = (folder / "events.jsonl").write_text(json.dumps({"step": 3, "event": "rollback", "updates_undone": 1})
+        ...                                          + "\\n")
+        >>> log = EventLog(folder)
+        >>> [e["step"] for e in rollbacks_of(log)]
+        [3]
+        >>> (folder / "events.jsonl").unlink()  # (read once: the log is as it was at its first question)
+        >>> [e["step"] for e in rollbacks_of(log)], rollbacks_of(folder)
+        ([3], [])
+        >>> shutil.rmtree(folder)
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = Path(run_dir)
+        self._events: list[dict[str, Any]] | None = None
+
+    @staticmethod
+    def of(source: Path | EventLog) -> EventLog:
+        """``source`` itself, or the log of the run folder it names."""
+        return source if isinstance(source, EventLog) else EventLog(source)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event the file holds, in the order they were made: ``[]`` without the file; a line
+        that is no JSON object with a whole-number step (a torn last line) passed over."""
+        if self._events is None:
+            self._events = self._read()
+        return self._events
+
+    def _read(self) -> list[dict[str, Any]]:
+        import json
+
+        path = self.dir / "events.jsonl"
+        if not path.exists():
+            return []
         try:
-            event = json.loads(line)
-        except (ValueError, RecursionError):  # (a line nested past the parser's depth: not the run's)
-            continue
-        if not isinstance(event, dict) or not isinstance(event.get("step"), int):
-            continue
-        if event.get("event") == "resume":
-            kept = [e for e in kept if e["step"] < event["step"] or (at_resume and e["step"] == event["step"])]
-        elif wanted(event):
-            kept.append(event)
-    return kept
+            _regular(path)
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as err:
+            raise InputError(f"{path}: cannot read the run's events ({failed_because(err)})") from None
+        events = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except (ValueError, RecursionError):  # (a line nested past the parser's depth: not the run's)
+                continue
+            if isinstance(event, dict) and isinstance(event.get("step"), int):
+                events.append(event)
+        return events
+
+    def kept(self, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False) -> list[dict[str, Any]]:
+        """The events that ``wanted`` takes, in the order they were made. A ``resume`` at step s
+        abandons what came after s, so those made before it later than s go (that future was
+        trained again without them), and those at s too unless ``at_resume``: a policy change at s
+        was made by an earlier resume from s, for steps after it; a rollback at s happened in step
+        s, before that step's checkpoint was saved. One ``wanted`` refuses (values that are not of
+        their kind: a hand edit) is passed over."""
+        kept: list[dict[str, Any]] = []
+        for event in self.events():
+            if event.get("event") == "resume":
+                kept = [e for e in kept if e["step"] < event["step"] or (at_resume and e["step"] == event["step"])]
+            elif wanted(event):
+                kept.append(event)
+        return kept
+
+
+def _events_kept(source: Path | EventLog, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False
+                 ) -> list[dict[str, Any]]:
+    """:meth:`EventLog.kept` of ``source`` (a run folder, or its log already read)."""
+    return EventLog.of(source).kept(wanted, at_resume=at_resume)
 
 
 def _policy_value(key: str, value: Any) -> bool:
@@ -638,7 +687,7 @@ def trainer_card_ended(card: Path, *, errors: str = "strict") -> str:
     return table.get(CARD_ENDED_ROW, ended) if ended == "unknown" else ended
 
 
-def finished(card: Path) -> bool:
+def finished(card: Path, events: EventLog | None = None) -> bool:
     """Whether a run card says its run trained to the end (``**finished: N steps**``), or, where
     the card cannot say (none, a folder, not text), the last ``run_end`` event beside it does:
     only then does a replay judge the run whole, as the run did (a stop, even at the last step,
@@ -666,7 +715,7 @@ def finished(card: Path) -> bool:
         ended = "unknown"
     if ended != "unknown":
         return judged_at_end(ended)
-    ends = _events_kept(card.parent, lambda event: event.get("event") == "run_end")
+    ends = _events_kept(events or card.parent, lambda event: event.get("event") == "run_end")
     return bool(ends) and judged_at_end(str(ends[-1].get("message", "")))
 
 
@@ -686,7 +735,7 @@ def judged_at_end(ended: str) -> bool:
     return ended.startswith(("finished: ", f"stopped by the guard {AT_THE_END}", f"stopped by a guard {AT_THE_END}"))
 
 
-def segment_ends(run_dir: Path) -> list[int]:
+def segment_ends(run_dir: Path | EventLog) -> list[int]:
     """The steps where a resumed run's earlier part ended judged whole (:func:`judged_at_end`,
     its ``run_end`` at the step a resume went on from): the run's monitor judged it there, and
     the resumed part carried that judgement on (review 50k: its end-of-run ALERT was on the card,
@@ -787,7 +836,7 @@ def plot_run(
     init_scale: float = 1.0,
     note: Callable[[str], None] | None = None,
     policy: Sequence[dict[str, Any]] = (),
-    events_dir: Path | None = None,
+    events_dir: Path | EventLog | None = None,
     scaler_on: bool = True,
     scale_floor: float = 1.0,
     unobserved: int = 0,
@@ -1086,7 +1135,7 @@ def _a_scale(value: Any) -> bool:
     return finite_number(value) and value > 0
 
 
-def scale_restarts(run_dir: Path, rows: list[Row], init_scale: float) -> dict[int, float]:
+def scale_restarts(run_dir: Path | EventLog, rows: list[Row], init_scale: float) -> dict[int, float]:
     """The steps of a fp16 run whose loss scale was not the one the step before left: after a
     rollback to the checkpoint of step c, the scale after step c (the run's first scale for its
     start); after a resume that changed ``scaler.init_scale``, the new one (:func:`_events_kept`'s
@@ -1533,6 +1582,7 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
     """
     paths = result.paths
     assert paths.card is not None and paths.plot is not None and paths.csv is not None
+    log = EventLog(paths.dir) if paths.dir is not None else None
     if not config.log.plot and paths.plot.is_file() and drawn_by_ampguard(paths.plot):
         # an earlier part's plot (a resume with log.plot false) no longer shows the run: it goes, so
         # the folder's file list and the trackers' upload do not offer it as this run's
@@ -1546,7 +1596,7 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
                      headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                      init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
                      scale_floor=config.scaler.min_scale, note=lambda line: say(f"warning: {line}"),
-                     policy=policy_changes_of(paths.dir) if paths.dir is not None else (), events_dir=paths.dir,
+                     policy=policy_changes_of(log) if log is not None else (), events_dir=log,
                      scaler_on=result.monitor.scaler_enabled)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
@@ -1614,6 +1664,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         check_plot_path(png, csv_path, given=out is not None)
     config = read_run_config(config_path) if config_path.is_file() else Config()
     folder = RunPaths.existing(csv_path.parent)
+    log = EventLog(csv_path.parent)  # (read once, at its first question: one history for every figure)
     pid = folder.writer()
     if pid is not None:  # (a live run, looked at: fine, said)
         print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
@@ -1621,7 +1672,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     elif config_path.is_file() and folder.card.exists() and not folder.card.is_file():  # (a folder, a pipe: no card)
         print(f"note: {folder.card} is not a file (a folder?): no run card read; how the run ended is not known here")
     elif config_path.is_file() and not folder.card.is_file():  # (a run's card is written at its end, however it ended)
-        ends = _events_kept(csv_path.parent, lambda event: event.get("event") == "run_end")
+        ends = log.kept(lambda event: event.get("event") == "run_end")
         saved = folder.checkpoints is not None and any(folder.checkpoints.glob("step-*.pt"))
         if ends:  # (it ended, and its card could not be written: a full disk stops every write)
             print(f"note: {csv_path.parent} has no run card RUN.md: the run ended ({ends[-1].get('message', '?')}), "
@@ -1675,7 +1726,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     judged = _replay_config(config, given, init_scale, growth_interval)
     # (an alert rate given sets the run's clear-level changes aside too: the level given holds, clamped to it)
     set_aside = set(given) | ({"clear_rate"} if "alert_rate" in given else set())
-    policy = ([c for c in policy_changes_of(csv_path.parent) if REPLAYED_POLICY[c["key"]] not in set_aside]
+    policy = ([c for c in policy_changes_of(log) if REPLAYED_POLICY[c["key"]] not in set_aside]
               if config_path.is_file() else [])
     monitor = build_monitor(judged, scaler_enabled=scaler_on)
     if "window" in given and config_path.is_file():  # --window re-judges the skip-rate alerts; the scale's health
@@ -1690,10 +1741,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         every = set.intersection(*(set(m) for m in metrics))  # row is a per-step value, epoch or tokens_seen; a
         metrics = [{k: v for k, v in m.items() if k not in every} for m in metrics]  # held-out metric is sparse)
     monitor = replay(judged_rows, monitor, policy=policy,
-                     rollbacks=rollbacks_of(csv_path.parent) if config_path.is_file() else (),
-                     finished=finished(folder.card), metrics=metrics,
-                     ends=segment_ends(csv_path.parent) if config_path.is_file() else (),
-                     scales=scale_restarts(csv_path.parent, rows, init_scale) if config_path.is_file() and scaler_on
+                     rollbacks=rollbacks_of(log) if config_path.is_file() else (),
+                     finished=finished(folder.card, log), metrics=metrics,
+                     ends=segment_ends(log) if config_path.is_file() else (),
+                     scales=scale_restarts(log, rows, init_scale) if config_path.is_file() and scaler_on
                      else None)
     # a run folder's plot keeps the title the run gave it (write_report)
     title = f"run {target.resolve().name}" if target.is_dir() else None
@@ -1704,8 +1755,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
                  scale_floor=config.scaler.min_scale, note=lambda line: print(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
-                 events_dir=csv_path.parent if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
-    run_dir = csv_path.parent if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
+                 events_dir=log if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
+    run_dir = log if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
     for note in [defaults] * (defaults is not None) + reading_notes(csv_path, rows, torn, run_dir, extra,
                                                                    config if run_dir else None, policy, unseen,
                                                                    held):
@@ -1736,7 +1787,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         print("held-out " + "; ".join(f"{name} final {_fmt(monitor.eval_last.get(name))}, best "
                                       f"{_fmt(monitor.eval_best.get(name))}" for name in held))
     if config_path.is_file() and headroom_watched(config, csv_path):
-        print(f"headroom alerts {headroom_alerts_text(csv_path.parent, config.monitor.headroom.alert_bits)}")
+        print(f"headroom alerts {headroom_alerts_text(log, config.monitor.headroom.alert_bits)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
         with contextlib.suppress(OSError):
             ended = trainer_card_ended(folder.card, errors="replace")  # (a Trainer's card: its `ended` row)
