@@ -29,7 +29,7 @@ from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (EventLog, _linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, judged_at_end,
+from .report import (LoggedEvents, _linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, judged_at_end,
                      panel_title, plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
                      rolling_skip_rate, scale_restarts, segment_ends, shown, threshold_by_step, threshold_line,
                      threshold_text, whole_steps)
@@ -112,7 +112,7 @@ def load_run(path: str | Path) -> RunSummary:
     ended, card = _card(folder / "RUN.md")
     scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
-    log = EventLog(folder)  # (read once: one history for the replay and its notes)
+    log = LoggedEvents(folder)  # (read once: one history for the replay and its notes)
     policy, rollbacks = policy_changes_of(log), rollbacks_of(log)
     held = read_held_out(folder / "steps.csv", rows, extra)  # (once: the replay's metrics and the notes')
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,

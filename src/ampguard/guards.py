@@ -42,6 +42,8 @@ from .precision import scale_in_use
 from .records import StepRecord
 
 if TYPE_CHECKING:
+    import torch
+
     from .data import DataStream
     from .events import EventLog
     from .step import AmpTrainState
@@ -361,6 +363,14 @@ def _used_up(allowed: int) -> str:
         f"all {allowed} rollbacks (rollback.max) are used up"
 
 
+def restart_scale(monitor: RunMonitor, scaler: torch.amp.GradScaler) -> None:
+    """Tell ``monitor`` the loss scale the next step runs with where the trainer set it, not the
+    step before (:meth:`~ampguard.monitor.RunMonitor.scale_restarted`): a rollback's checkpoint's,
+    a resume's (a new ``scaler.init_scale``). Nothing for a run without a loss scaler."""
+    if scaler.is_enabled():
+        monitor.scale_restarted(float(scale_in_use(scaler)))
+
+
 class Rollbacks:
     """Carries out :class:`Rollback` decisions and keeps their log (a checkpointed part).
 
@@ -498,8 +508,7 @@ class Rollbacks:
         lr = apply_policy_changes(stale, self.config, self.state, len(self.log) + 1, rolled_back=True)
         # the run card's "updates applied", final loss and held-out metrics are the model's it holds
         undone = self.monitor.rolled_back(self.state.updates, (loaded.payload[STATE].get("monitors") or {}).get("run"))
-        if self.state.scaler.is_enabled():  # (the checkpoint's scale: the next step runs with it)
-            self.monitor.scale_restarted(float(scale_in_use(self.state.scaler)))
+        restart_scale(self.monitor, self.state.scaler)  # (the checkpoint's scale: the next step runs with it)
         old, saved = self.data.position, int(loaded.payload[DATA])
         # never back onto the triggering step's own micro-batches (they end at the current position)
         self.data.seek(max(saved + self.cfg.skip_batches, old))

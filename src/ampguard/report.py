@@ -139,7 +139,7 @@ def read_held_out(csv_path: str | Path, rows: Sequence[Row], extra: Sequence[Map
     return HeldOut(held_out_metrics(csv_path, extra, notes, [r.step for r in rows]), notes)
 
 
-def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | EventLog | None = None,
+def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | LoggedEvents | None = None,
                   extra: Sequence[Mapping[str, str]] = (), config: Config | None = None,
                   policy: Sequence[dict[str, Any]] = (), unobserved: int = 0,
                   held: HeldOut | None = None) -> list[str]:
@@ -183,7 +183,7 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
                      f"{'' if len(past) == 1 else f'-{past[-1]}'}: not the run's own; added by hand?): its figures "
                      "count them")
     notes += value_notes(csv_path, rows, extra, max_norms, own=config is not None, held=held)
-    log = EventLog.of(run_dir) if run_dir is not None else None
+    log = LoggedEvents.of(run_dir) if run_dir is not None else None
     run_dir = log.dir if log is not None else None
     if run_dir is not None and not (run_dir / "events.jsonl").exists():
         notes.append(f"{run_dir} has no events.jsonl: replayed as if no setting changed on resume and no rollback "
@@ -319,7 +319,7 @@ REPLAYED_POLICY = {"max_norm": "max_norm", "monitor.alert_rate": "alert_rate", "
 config key, and the :class:`RunMonitor` attribute it sets."""
 
 
-def policy_changes_of(run_dir: Path | EventLog) -> list[dict[str, Any]]:
+def policy_changes_of(run_dir: Path | LoggedEvents) -> list[dict[str, Any]]:
     """The run's policy changes on resume that a replay follows (:data:`REPLAYED_POLICY`), from its
     ``events.jsonl`` in the order they were made: each ``{key, old, new, step}``, applied from
     ``step + 1`` (as :func:`_events_kept` keeps them).
@@ -345,7 +345,7 @@ def policy_changes_of(run_dir: Path | EventLog) -> list[dict[str, Any]]:
         and "new" in event and _policy_value(event["key"], event["old"]) and _policy_value(event["key"], event["new"])))
 
 
-def rollbacks_of(run_dir: Path | EventLog) -> list[dict[str, Any]]:
+def rollbacks_of(run_dir: Path | LoggedEvents) -> list[dict[str, Any]]:
     """The run's rollbacks that a replay follows, from its ``events.jsonl`` (as :func:`_events_kept`
     keeps them): each ``{step, updates_undone, ...}``. After its step the run forgot its rolling
     skip window and the updates the checkpoint did not hold (:func:`replay` does the same).
@@ -372,7 +372,7 @@ HEADROOM_ALERTS_SHOWN = 3
 """How many headroom alerts the run card and ``report`` name (the rest counted)."""
 
 
-def headroom_alerts_text(run_dir: Path | EventLog | None, alert_bits: float | None = None) -> str:
+def headroom_alerts_text(run_dir: Path | LoggedEvents | None, alert_bits: float | None = None) -> str:
     """The run's ``headroom_alert`` events (as :func:`_events_kept` keeps them), in a few words: how
     many, and the first few (step, module, tensor, judged bits, shown on their side of the alert's
     threshold: its ``alert_bits``, or ``alert_bits`` given here for an event without one): the
@@ -426,7 +426,7 @@ def headroom_alerts_text(run_dir: Path | EventLog | None, alert_bits: float | No
     return f"{len(alerts)} ({shown_}{'; ...' if len(alerts) > HEADROOM_ALERTS_SHOWN else ''})"
 
 
-class EventLog:
+class LoggedEvents:
     """A run folder's ``events.jsonl``, read once (at the first question) and asked many times:
     ``report`` and ``compare`` derive a replay's inputs from it (policy changes, rollbacks, segment
     ends, scale restarts, the end), each from the same reading, so a live run's log appended
@@ -439,7 +439,7 @@ class EventLog:
         >>> folder = Path(tempfile.mkdtemp())
         >>> _ = (folder / "events.jsonl").write_text(json.dumps({"step": 3, "event": "rollback", "updates_undone": 1})
         ...                                          + "\\n")
-        >>> log = EventLog(folder)
+        >>> log = LoggedEvents(folder)
         >>> [e["step"] for e in rollbacks_of(log)]
         [3]
         >>> (folder / "events.jsonl").unlink()  # (read once: the log is as it was at its first question)
@@ -453,9 +453,9 @@ class EventLog:
         self._events: list[dict[str, Any]] | None = None
 
     @staticmethod
-    def of(source: Path | EventLog) -> EventLog:
+    def of(source: Path | LoggedEvents) -> LoggedEvents:
         """``source`` itself, or the log of the run folder it names."""
-        return source if isinstance(source, EventLog) else EventLog(source)
+        return source if isinstance(source, LoggedEvents) else LoggedEvents(source)
 
     def events(self) -> list[dict[str, Any]]:
         """Every event the file holds, in the order they were made: ``[]`` without the file; a line
@@ -501,10 +501,10 @@ class EventLog:
         return kept
 
 
-def _events_kept(source: Path | EventLog, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False
+def _events_kept(source: Path | LoggedEvents, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False
                  ) -> list[dict[str, Any]]:
-    """:meth:`EventLog.kept` of ``source`` (a run folder, or its log already read)."""
-    return EventLog.of(source).kept(wanted, at_resume=at_resume)
+    """:meth:`LoggedEvents.kept` of ``source`` (a run folder, or its log already read)."""
+    return LoggedEvents.of(source).kept(wanted, at_resume=at_resume)
 
 
 def _policy_value(key: str, value: Any) -> bool:
@@ -687,7 +687,7 @@ def trainer_card_ended(card: Path, *, errors: str = "strict") -> str:
     return table.get(CARD_ENDED_ROW, ended) if ended == "unknown" else ended
 
 
-def finished(card: Path, events: EventLog | None = None) -> bool:
+def finished(card: Path, events: LoggedEvents | None = None) -> bool:
     """Whether a run card says its run trained to the end (``**finished: N steps**``), or, where
     the card cannot say (none, a folder, not text), the last ``run_end`` event beside it does:
     only then does a replay judge the run whole, as the run did (a stop, even at the last step,
@@ -735,7 +735,7 @@ def judged_at_end(ended: str) -> bool:
     return ended.startswith(("finished: ", f"stopped by the guard {AT_THE_END}", f"stopped by a guard {AT_THE_END}"))
 
 
-def segment_ends(run_dir: Path | EventLog) -> list[int]:
+def segment_ends(run_dir: Path | LoggedEvents) -> list[int]:
     """The steps where a resumed run's earlier part ended judged whole (:func:`judged_at_end`,
     its ``run_end`` at the step a resume went on from): the run's monitor judged it there, and
     the resumed part carried that judgement on (review 50k: its end-of-run ALERT was on the card,
@@ -836,7 +836,7 @@ def plot_run(
     init_scale: float = 1.0,
     note: Callable[[str], None] | None = None,
     policy: Sequence[dict[str, Any]] = (),
-    events_dir: Path | EventLog | None = None,
+    events_dir: Path | LoggedEvents | None = None,
     scaler_on: bool = True,
     scale_floor: float = 1.0,
     unobserved: int = 0,
@@ -1135,7 +1135,7 @@ def _a_scale(value: Any) -> bool:
     return finite_number(value) and value > 0
 
 
-def scale_restarts(run_dir: Path | EventLog, rows: list[Row], init_scale: float) -> dict[int, float]:
+def scale_restarts(run_dir: Path | LoggedEvents, rows: list[Row], init_scale: float) -> dict[int, float]:
     """The steps of a fp16 run whose loss scale was not the one the step before left: after a
     rollback to the checkpoint of step c, the scale after step c (the run's first scale for its
     start); after a resume that changed ``scaler.init_scale``, the new one (:func:`_events_kept`'s
@@ -1582,7 +1582,7 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
     """
     paths = result.paths
     assert paths.card is not None and paths.plot is not None and paths.csv is not None
-    log = EventLog(paths.dir) if paths.dir is not None else None
+    log = LoggedEvents(paths.dir) if paths.dir is not None else None
     if not config.log.plot and paths.plot.is_file() and drawn_by_ampguard(paths.plot):
         # an earlier part's plot (a resume with log.plot false) no longer shows the run: it goes, so
         # the folder's file list and the trackers' upload do not offer it as this run's
@@ -1664,7 +1664,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
         check_plot_path(png, csv_path, given=out is not None)
     config = read_run_config(config_path) if config_path.is_file() else Config()
     folder = RunPaths.existing(csv_path.parent)
-    log = EventLog(csv_path.parent)  # (read once, at its first question: one history for every figure)
+    log = LoggedEvents(csv_path.parent)  # (read once, at its first question: one history for every figure)
     pid = folder.writer()
     if pid is not None:  # (a live run, looked at: fine, said)
         print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "

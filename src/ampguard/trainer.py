@@ -36,11 +36,10 @@ from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, check_nan_input, parse_faults
 from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnosis, Guards, Rollback, Rollbacks,
-                     Stop, TriggerBatches, rollback_reach)
+                     Stop, TriggerBatches, restart_scale, rollback_reach)
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms, check_headroom_rows
 from .integrations.trackers import TrackerSink, check_trackers
 from .monitor import AT_THE_END, Event, LossSpikeDetector, RunMonitor
-from .precision import scale_in_use
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .schedule import WarmupPastTheRun
@@ -237,8 +236,8 @@ class Trainer:
         # where the group's LR is the last step's, brought up to date at the save) and as now set
         lr_before = self._next_lr()
         ck.apply_policy_changes(self.policy_new, config, self.state, len(self.rollbacks.log))
-        if resume is not None and self.state.scaler.is_enabled():  # (a new scaler.init_scale: the next step's)
-            self.monitor.scale_restarted(float(scale_in_use(self.state.scaler)))
+        if resume is not None:  # (a new scaler.init_scale: the next step's)
+            restart_scale(self.monitor, self.state.scaler)
         lr_after = self._next_lr()
         # a change of the schedule (steps, schedule.*, optimizer.lr) moves the next step's LR: said on its line
         self._lr_moved = (lr_before, lr_after) if lr_before is not None and lr_after != lr_before else None
