@@ -347,6 +347,34 @@ def test_a_folder_saved_without_the_guards_state_loads_with_register_state_false
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_found_inf_on_each_micro_batch_of_an_accumulation_group_is_that_micro_batchs_truth(fused):
+    # review 52e: read on a micro-batch whose gradients were not unscaled, the check stayed in the
+    # scaler's record and the next micro-batch read it back: an inf in a group's last micro-batch
+    # read 0.0 while the scaler skipped the step (and, fused, step_was_skipped said False too)
+    GradientState._reset_state()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = torch.nn.Linear(4, 1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused),
+                                         device_placement=False, scaler=scaler)
+        before = [p.detach().clone() for p in model.parameters()]
+        flags = []
+        for bad in (False, True):
+            with accelerator.accumulate(model):
+                x = torch.ones(2, 4) * (float("inf") if bad else 1.0)
+                scaler.scale(model(x).sum()).backward()
+                flags.append(found_inf(scaler, optimizer).item())
+                optimizer.step()
+                optimizer.zero_grad()
+        assert flags == [0.0, 1.0]
+        assert scaler.get_scale() == 4.0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def test_found_inf_after_unscale_is_what_unscale_found_though_the_gradients_were_cleaned_since():
     # review_tests14 #6: after unscale_ (accelerator.clip_grad_norm_ does it) a hook cleaned the
     # gradients (nan_to_num_): the step is still skipped, as GradScaler.step skips on what unscale_

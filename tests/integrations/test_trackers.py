@@ -266,6 +266,10 @@ def test_mlflow_file_store_holds_every_csv_row_and_the_resume_continues_the_same
     reason = mlflow_history(client, run.info.run_id, "train/skip.non_finite_loss")
     assert skipped == reason == {1: 0.0, 2: 0.0, 3: 1.0, 4: 0.0, 5: 0.0, 6: 0.0}
     assert run.data.tags["ampguard.skips.non_finite_loss"] == "1" and run.data.metrics["summary/skips"] == 1.0
+    # each part's totals at the step it ended (review 52e: both at step 0, the history of summary/steps
+    # held the first part's 4 beside the run's 6 at one step)
+    ends = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "summary/steps"))
+    assert ends == [(4, 4.0), (6, 6.0)]
     # the card's float32 line, beside the totals (charlm under fp16 on the CPU: embeddings, LayerNorms)
     line = run.data.tags["ampguard.float32_under_autocast"]
     assert line.startswith("tok, pos, ") and f"| float32 under autocast | {line} |" in \
@@ -468,6 +472,36 @@ def test_a_wandb_sink_in_your_run_says_once_that_steps_below_your_runs_step_are_
         own = WandbSink(project="own", mode="offline", dir=tmp_path / "own")
         own.write(StepLog(1, lr=0.1, loss=1.0, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
         own.close()
+
+
+def test_a_wandb_sink_in_your_run_keeps_its_rows_when_your_loop_logs_at_its_step_first(tmp_path):
+    # review 52e: the sink held each row for the monitor's view until the next write; a loop that
+    # logged its own metric at ampguard's step (as the warning advises) before sink.write took W&B
+    # past the held step, and every step but the last was dropped
+    from ampguard.monitor import RunMonitor
+
+    run = wandb.init(project="own", mode="offline", dir=str(tmp_path), reinit="create_new",
+                     settings=wandb.Settings(console="off", silent=True))
+    sink, monitor = WandbSink(run=run), RunMonitor(scaler_enabled=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing refused: no warning)
+        for n in range(1, 7):
+            record = StepLog(n, lr=0.1, loss=float(n), grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+            if n % 2:
+                run.log({"mine": float(n)}, step=n)  # before the sink's write, at its step ...
+                sink.write(record)
+            else:
+                sink.write(record)  # ... or after it
+                run.log({"mine": float(n)}, step=n)
+            if n > 3:  # (and with the monitor's view, added at the step written)
+                sink.observe(monitor, monitor.observe(record))
+        sink.close()
+    run.finish()
+    wandb.teardown()
+    (logged,) = [wandb_run(Path(p)) for p in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))]
+    rows = sorted(logged.history.items())
+    assert [(s, row.get("train/loss"), row.get("mine")) for s, row in rows] == [(n, float(n), float(n)) for n in range(1, 7)]
+    assert [s for s, row in rows if "monitor/skip_rate" in row] == [4, 5, 6]
 
 
 def test_a_wandb_sink_that_begins_again_sends_past_what_the_run_holds_and_names_each_attempts_steps(tmp_path):

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ..step import Guard
 
@@ -39,7 +40,8 @@ def found_inf(scaler: torch.amp.GradScaler | None, optimizer: Any) -> torch.Tens
     """1.0 if ``scaler.step(optimizer)`` is about to skip this step (an inf/nan gradient), else 0.0.
 
     A device tensor: no host read (``bool(...)`` of it is one). Call it after the backward and
-    before ``optimizer.step()``; the scaler forgets the flag in ``update()``. When the gradients
+    before ``optimizer.step()`` (on each micro-batch of an accumulation group too: each reads the
+    gradients summed so far); the scaler forgets the flag in ``update()``. When the gradients
     are already unscaled (``accelerator.clip_grad_norm_`` unscales them) it is the flag the scaler
     itself found; otherwise the gradients are checked without unscaling them (the scaler's own
     ``_check_inf_per_device``), so a later ``clip_grad_norm_`` still works. ``optimizer`` may be
@@ -61,8 +63,15 @@ def found_inf(scaler: torch.amp.GradScaler | None, optimizer: Any) -> torch.Tens
         return torch.zeros(())
     device = scaler._scale.device if getattr(scaler, "_scale", None) is not None else torch.device("cpu")
     optimizer = _inner(optimizer)
-    # torch's own per-optimizer record; unscale_ fills it, _check_inf_per_device fills it without unscaling
-    per_device = scaler._found_inf_per_device(optimizer) or scaler._check_inf_per_device(optimizer)
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.UNSCALED:  # what unscale_ found: what step() skips on
+        per_device = state["found_inf_per_device"]
+    else:  # checked without unscaling, and not left in the scaler's record: read back by the next
+        # micro-batch of an accumulation group, an earlier micro-batch's check hid an inf in the last
+        # one (review 52e); step() checks again as it unscales
+        kept = state["found_inf_per_device"]
+        per_device = scaler._check_inf_per_device(optimizer)
+        state["found_inf_per_device"] = kept
     return torch.stack([v.to(device) for v in per_device.values()]).sum().clamp(max=1.0)
 
 

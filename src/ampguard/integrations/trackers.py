@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, first_line, shown, unwritable
+from ..errors import (AmpguardWarning, ExitCode, InputError, counted, failed_because, first_line, shown, unwritable,
+                      whole_number)
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -196,7 +197,8 @@ class TrackerSink:
     """What the two tracker sinks share: a :class:`~ampguard.sinks.Sink` whose step row waits
     until the run's monitor has seen the record too (:meth:`observe`), so each step is one
     tracker call. Without a run loop (your own loop), a row goes out at the next ``write`` or at
-    ``close``.
+    ``close``; in a W&B run you gave it (``WandbSink(run=...)``), which your own ``run.log`` calls
+    move on, at its ``write``, the monitor's view after it at the same step.
 
     In a run (``finish_later=True``) ``close()`` flushes the last row and :meth:`finish` (after
     the run card is written) uploads the artifacts and ends the tracker run; otherwise ``close()``
@@ -217,6 +219,8 @@ class TrackerSink:
 
     def __init__(self, *, finish_later: bool = False) -> None:
         self._pending: tuple[int, dict[str, float]] | None = None
+        self._holds = True  # a step's row waits for the monitor's view (False: sent at once, the view after it)
+        self._unobserved: int | None = None  # (not held) the step written last, its monitor's view not yet sent
         self._finish_later = finish_later
         self._ended = False
         self._sent = 0  # the highest step this sink sent
@@ -247,11 +251,17 @@ class TrackerSink:
                          "each step must come after the last one written (a second loop? give it a sink of its own)")
         self._flush()
         self._pending = (record.step, step_metrics(record, extra))
+        if not self._holds:
+            self._flush()
+            self._unobserved = record.step
 
     def observe(self, monitor: RunMonitor, events: Sequence[Event] = ()) -> None:
         """Add the monitor's view of the step just written, and the events it raised; send the row."""
         if self._pending is not None:
             self._pending[1].update(monitor_metrics(monitor))
+        elif self._unobserved is not None:  # (its row went out at its write: the view goes to the same step)
+            self._pending = (self._unobserved, monitor_metrics(monitor))
+        self._unobserved = None
         for event in events:
             said = event.as_dict()
             self._send(said.get("step"), self._event, said)
@@ -490,6 +500,10 @@ class WandbSink(TrackerSink):
                 raise InputError(f"log.wandb: cannot start a W&B run: {first}") from None
             _keep_to_itself(run)
         self.run = run
+        # your run takes your own run.log calls too: a row held for the monitor's view went below the
+        # step a loop logging at ampguard's step first took it to, and W&B dropped it (review 52e: every
+        # step but the last); sent at its write, the view follows at the same step, which W&B merges
+        self._holds = self._own
         self._first = int(getattr(run, "starting_step", 0) or 0)  # a resumed run: the steps W&B already has
         self._said = not self._own or self._first > 0 or bool(getattr(run, "resumed", False))
         self._behind = False  # a step already refused as below your run's own step (said once)
@@ -844,7 +858,10 @@ class MLflowSink(TrackerSink):
 
         self._wait()
         now = int(time.time() * 1000)
-        numbers = [Metric(f"summary/{k}", float(v), now, 0) for k, v in totals.items()
+        # at the run's last step: a resume that continues the run adds its totals after the earlier
+        # part's, not beside them at step 0 (review 52e: summary/steps held 23 and 40 at one step)
+        last = max(self._sent, totals["steps"] if whole_number(totals.get("steps")) else 0)
+        numbers = [Metric(f"summary/{k}", float(v), now, last) for k, v in totals.items()
                    if finite_number(v)]
         tags = [RunTag(f"ampguard.{k}", str(v)[:5000]) for k, v in totals.items()]
         self.client.log_batch(self.run_id, metrics=numbers, tags=tags)
