@@ -20,6 +20,7 @@ import numbers
 import os
 import stat
 import sys
+import threading
 import warnings
 import weakref
 from collections import Counter
@@ -30,7 +31,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import (AmpguardWarning, InputError, brief, counted, failed_because, first_line, has_control, plain_digits,
                      shown, whole_number)
-from .files import DiskFull, is_temporary, replace_atomically, writing
+from .files import DiskFull, disk_full_error, is_temporary, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
@@ -1453,6 +1454,17 @@ def metric_number(value: object) -> float | None:
     return None
 
 
+def _quiet_writer_thread(args: Any, *, before: Callable[[Any], None]) -> None:
+    """``threading.excepthook`` while a :class:`TensorBoardSink` is open: TensorBoard's writer
+    thread re-raises its write's error after keeping it for the next call, where the sink raises
+    it as the run's :class:`DiskFull` (one line); its traceback on stderr is not printed too. Any
+    other thread's error, and any other error, goes to the hook ``before``."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    if not (isinstance(args.thread, _AsyncWriterThread) and disk_full_error(args.exc_value) is not None):
+        before(args)
+
+
 class TensorBoardSink:
     """Scalars for TensorBoard (``torch.utils.tensorboard``); needs the ``tensorboard`` package.
 
@@ -1484,6 +1496,9 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         purge_step = None if keep_through is None else keep_through + 1
+        if not isinstance(threading.excepthook, functools.partial) or \
+                threading.excepthook.func is not _quiet_writer_thread:  # (once a process)
+            threading.excepthook = functools.partial(_quiet_writer_thread, before=threading.excepthook)
         self._writer = SummaryWriter(str(log_dir), purge_step=purge_step)
         self._where = str(log_dir)
         self._last = 0  # the highest step written
@@ -1526,9 +1541,13 @@ class TensorBoardSink:
                          "each step must come after the last one written (a second loop? give it a sink of its own)")
         scalars = {name: value for name, value in record.values().items() if value is not None}
         scalars |= {name: number for name, value in (extra or {}).items() if (number := metric_number(value)) is not None}
-        for name, value in scalars.items():
-            self._writer.add_scalar(f"train/{name}", value, record.step)
-        self._writer.add_scalar("train/skipped", float(record.skipped), record.step)
+        # (TensorBoard writes from a thread of its own and raises its error at the next call: a full
+        # disk is the run's DiskFull, as the CSV's; review 52d: a raw OSError crashed the run, and
+        # again at close, with no run card)
+        with writing(self._where):
+            for name, value in scalars.items():
+                self._writer.add_scalar(f"train/{name}", value, record.step)
+            self._writer.add_scalar("train/skipped", float(record.skipped), record.step)
         self._last = record.step
 
     def begin_again(self, step: int) -> str | None:
@@ -1539,14 +1558,17 @@ class TensorBoardSink:
             return None
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-        self._writer._get_file_writer().add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
-        self._writer.flush()
+        with writing(self._where):
+            self._writer._get_file_writer().add_event(
+                Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+            self._writer.flush()
         dropped, self._last = steps_from(step + 1, self._last), step
         return f"TensorBoard drops the abandoned attempt's {dropped} (a restart marker at step {step + 1})"
 
     def close(self) -> None:
         self._closed = True
-        self._writer.close()
+        with writing(self._where):
+            self._writer.close()
 
 
 class BackgroundSink:
@@ -1742,11 +1764,18 @@ class Sinks:
                 sink.observe(monitor, events)
 
     def close(self) -> None:
+        """Every sink closed, the first error other than a full disk raised after the others
+        closed (review 52d: a sink failing stopped the loop, the tracker runs after it left open)."""
+        errors = []
         for sink in list(self.sinks):
             try:
                 sink.close()
             except DiskFull as full:
                 self._drop(sink, full, through=None)
+            except Exception as err:  # noqa: BLE001 - raised below, once the others closed
+                errors.append(err)
+        if errors:
+            raise errors[0]
 
     def finish(self, result: Any) -> None:
         """After the run card is written: the sinks that end a tracker run (``finish(result)``)

@@ -377,7 +377,15 @@ class Trainer:
                     threading.Event().wait()
                 with contextlib.suppress(Exception):  # after an error too: the steps already taken reach the CSV
                     self.settle()
-                self.sinks.close()
+                try:
+                    self.sinks.close()
+                except Exception as err:  # a sink's last write failing is the run's crash, with its card; it
+                    # replaced the crash being handled, and no card nor run_end was written (review 52d)
+                    if crashed is None:
+                        crashed, clean = err, False
+                    else:
+                        warnings.warn(f"a sink failed as it closed: {first_line(err, with_type=True)}",
+                                      AmpguardWarning, stacklevel=1)
                 self.injector.detach()
                 with contextlib.suppress(Exception):  # (no batch is read after the loop: its DataLoader workers end)
                     self.data.release()

@@ -18,7 +18,7 @@ import pytest
 import warm
 
 import torch
-from helpers import deadline, ok, one_error_line, only_line
+from helpers import deadline, ok, one_error_line, only_line, run_events
 
 from ampguard.errors import ExitCode
 
@@ -200,6 +200,8 @@ DISK_CASES = {
     # name: (file-size limit in bytes, extra arguments)
     "csv": (2000, ["--set", "steps=200", "--set", "checkpoint.enabled=false"]),
     "checkpoint": (6000, ["--set", "steps=20", "--set", "checkpoint.every=5"]),
+    # (TensorBoard's event file, written from its own thread, is the first to reach the limit: review 52d)
+    "tensorboard": (3000, ["--set", "steps=200", "--set", "checkpoint.enabled=false", "--set", "log.tensorboard=true"]),
 }
 
 
@@ -248,6 +250,35 @@ def test_a_full_disk_while_writing_the_csv_stops_cleanly_with_one_line(disk_full
     assert f"steps={n + 1} " in out
     assert not (run / "RUN.md").exists() and not (run / "report.png").exists()
     assert '"run_end"' not in (run / "events.jsonl").read_text()
+
+
+def test_a_full_disk_under_tensorboards_event_file_is_the_same_clean_stop(disk_full_runs):
+    # review 52d: TensorBoard's writer thread raised a raw OSError at the next write (a crash, exit 1)
+    # and again at the sinks' close in the loop's finally, which replaced it: two tracebacks, no run_end
+    code, out, err, run = disk_full_runs["tensorboard"]
+    assert code == ExitCode.DISK_FULL, (code, err)
+    line = only_line(err)  # (nor TensorBoard's thread's traceback)
+    n = _steps(run / "steps.csv")[-1]  # (the step whose TensorBoard write found no room: its CSV row came first)
+    assert line == (f"ampguard: error: disk full while writing runs/tensorboard/tensorboard; the run is intact up to "
+                    f"step {n - 1} (its records; no checkpoint to resume from; File too large)"), line
+    assert 1 < n < 200 and "ended: disk full while writing runs/tensorboard/tensorboard" in out
+
+
+def test_a_sink_failing_as_it_closes_is_the_runs_crash_with_its_card(cli, monkeypatch):
+    # review 52d: a sink's close raising in the loop's finally replaced the run's end: no run card,
+    # no run_end, and the sinks after it (the tracker runs) left open
+    from ampguard.sinks import CsvSink, JsonlSink
+
+    closed = []
+    monkeypatch.setattr(CsvSink, "close", lambda self: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    monkeypatch.setattr(JsonlSink, "close", lambda self, _close=JsonlSink.close: (closed.append(self), _close(self))[1])
+    with pytest.raises(OSError, match="Input/output error"):
+        cli("train", *SHORT, "--set", "log.dir=runs", "--set", "log.name=c", "--set", "log.jsonl=true")
+    run = Path("runs/c")
+    assert closed  # (the JSON lines sink closed though the CSV's before it failed)
+    card = (run / "RUN.md").read_text()
+    assert "crashed after step 3: OSError: [Errno 5] Input/output error" in card
+    assert [e["event"] for e in run_events(run)][-1] == "run_end"
 
 
 def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_file(disk_full_runs):
