@@ -1049,10 +1049,7 @@ class CsvSink(_LineFile):
                                  "control character: one row is one line")
         if extra and not self._extra_names.issuperset(extra):  # (a value no column holds was dropped, unsaid)
             unknown = [k for k in extra if k not in self._extra_names]
-            fixed = [k for k in unknown if k in CSV_COLUMNS]
-            if fixed:
-                raise ValueError(f"CsvSink {self.path}: {', '.join(map(repr, fixed))} is a fixed column: its value is "
-                                 "the record's (guard.step()'s), not one given beside it")
+            refuse_record_fields(f"CsvSink {self.path}", {k: None for k in unknown if k in CSV_COLUMNS}, "a fixed column")
             raise ValueError(f"CsvSink {self.path}: {', '.join(map(repr, unknown))} not among its columns "
                              f"({', '.join(self._extra) or 'no extra column declared'}): declare each up front, "
                              "CsvSink(path, extra_columns=[...]) (the header is written once)")
@@ -1138,6 +1135,48 @@ def console_line(record: StepRecord) -> str:
     return line
 
 
+RECORD_FIELDS = frozenset(CSV_COLUMNS) | {"loss_on", "optimizers", "skipped_optimizers"}
+"""The names a step record's own values take in a sink's row (an extra named so is refused)."""
+
+
+def refuse_record_fields(who: str, extra: Mapping[str, Any] | None, kind: str = "a field of the record") -> None:
+    """A ``ValueError`` naming the ``extra`` values named like the record's own (:data:`RECORD_FIELDS`):
+    given beside the record, one overwrote the step's value in the row (review 52d: an extra
+    ``loss`` 9.0 in the JSON line and TensorBoard's ``train/loss`` where the step's was 0.5).
+
+    Example::
+
+        >>> refuse_record_fields("JsonlSink steps.jsonl", {"val_loss": 1.0})
+        >>> refuse_record_fields("JsonlSink steps.jsonl", {"loss": 9.0, "lr": 7.0})
+        Traceback (most recent call last):
+        ...
+        ValueError: JsonlSink steps.jsonl: 'loss', 'lr' is a field of the record: its value is the record's (guard.step()'s), not one given beside it
+    """
+    fixed = [name for name in (extra or {}) if name in RECORD_FIELDS]
+    if fixed:
+        raise ValueError(f"{who}: {', '.join(map(repr, fixed))} is {kind}: its value is the record's "
+                         "(guard.step()'s), not one given beside it")
+
+
+def _json_value(value: Any) -> Any:
+    """An extra's value as JSON holds it: a NumPy number or a one-element tensor as a Python number
+    (review 52d: every other sink took them; ``json.dumps`` refused them), text, a bool and None as
+    they are.
+
+    Example::
+
+        >>> import numpy as np, torch
+        >>> [_json_value(v) for v in (np.float32(0.5), np.int64(3), torch.tensor(0.25), 2, True, None, "warm-up")]
+        [0.5, 3, 0.25, 2, True, None, 'warm-up']
+    """
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    number = metric_number(value)
+    return value if number is None else number
+
+
 class ConsoleSink:
     """Prints a line every ``every`` steps, and every skipped step whatever ``every`` is.
 
@@ -1158,7 +1197,10 @@ class ConsoleSink:
     """
 
     def __init__(self, every: int = 1, print_fn: Callable[[str], None] | None = None) -> None:
-        self.every = every
+        if not isinstance(every, numbers.Integral) or isinstance(every, bool) or every < 1:  # (review 52d: 0
+            raise ValueError(f"ConsoleSink: every must be a whole number >= 1 (a line every so many steps), "  # failed
+                             f"got {every!r}")  # the first write, ZeroDivisionError)
+        self.every = int(every)
         self._print = print_fn or (lambda s: print(s, file=sys.stdout, flush=True))
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
@@ -1223,8 +1265,10 @@ class JsonlSink(_LineFile):
 
     @classmethod
     def cut_after(cls, path: Path, step: int, purpose: str = RESUME) -> None:
-        """The lines of the step log at ``path`` after ``step`` dropped, atomically: a torn last
-        line goes too, and so does everything from the first line that is not a step record on.
+        """The lines of the step log at ``path`` after ``step`` dropped, atomically: from the first
+        step record past ``step`` on, and a torn last line. A line of yours that is no step record
+        (an event written with ``write_event``) stays where it is before that record (review 52d:
+        the cut stopped at it, and the records after it up to ``step`` were lost unsaid).
         A file whose first line is not a step record is no step log: refused (as
         :class:`CsvSink` refuses a header that does not match), and left as it is. For the file
         a resume appends to, and for one it does not (``log.jsonl`` turned off: its lines after
@@ -1234,7 +1278,7 @@ class JsonlSink(_LineFile):
         keep = 0  # how many lines stay
         for line in lines:
             at = _record_step(line)
-            if not line.endswith(b"\n") or at is None or at > step:
+            if not line.endswith(b"\n") or (at is not None and at > step):
                 break
             keep += 1
         _cut(path, b"".join(lines[:keep]), step, purpose)  # (a link stays one)
@@ -1257,6 +1301,7 @@ class JsonlSink(_LineFile):
             raise TypeError(NONE_WRITTEN)
         check_step_after(f"JsonlSink {self.path}", record.step, self._last,  # (review 50b: 5, 5, 2 went in)
                          "each record's step must follow the one before (a second loop? give it a sink of its own)")
+        refuse_record_fields(f"JsonlSink {self.path}", extra)
         self.write_event({
             "step": int(record.step),  # (a numpy integer: JSON has no such type)
             **record.values(),
@@ -1265,7 +1310,7 @@ class JsonlSink(_LineFile):
             **({"loss_on": loss_on} if (loss_on := getattr(record, "loss_on", None)) else {}),
             **({"optimizers": list(record.optimizers), "skipped_optimizers": list(record.skipped_optimizers)}
                if record.optimizers else {}),
-            **(extra or {}),
+            **{name: _json_value(value) for name, value in (extra or {}).items()},
         })
         self._last = record.step
 
@@ -1539,6 +1584,7 @@ class TensorBoardSink:
             raise ValueError(f"TensorBoardSink ({self._where}) is closed: nothing more can be written to it")
         check_step_after(f"TensorBoardSink ({self._where})", record.step, self._last or None,
                          "each step must come after the last one written (a second loop? give it a sink of its own)")
+        refuse_record_fields(f"TensorBoardSink ({self._where})", extra)
         scalars = {name: value for name, value in record.values().items() if value is not None}
         scalars |= {name: number for name, value in (extra or {}).items() if (number := metric_number(value)) is not None}
         # (TensorBoard writes from a thread of its own and raises its error at the next call: a full

@@ -452,6 +452,24 @@ def test_jsonl_resume_drops_a_torn_last_line(tmp_path):
     assert jsonl_steps(path) == [1, 2, 3]
 
 
+def test_jsonl_resume_keeps_the_records_after_an_event_of_yours_up_to_its_step(tmp_path):
+    # review 52d: the cut stopped at the first line that was no step record (an event written with
+    # write_event, no step), so a resume from step 8 dropped steps 6-8 after an event at 5: a hole
+    path = tmp_path / "steps.jsonl"
+    sink = JsonlSink(path)
+    for step in range(1, 11):
+        sink.write(applied(step))
+        if step == 5:
+            sink.write_event({"event": "lr_drop"})
+    sink.close()
+    resumed = JsonlSink(path, append=True, keep_through=8)
+    for step in (9, 10):
+        resumed.write(applied(step))
+    resumed.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line.get("step", line.get("event")) for line in lines] == [1, 2, 3, 4, 5, "lr_drop", 6, 7, 8, 9, 10]
+
+
 @pytest.mark.parametrize("existing", [
     '{"event": "run_start"}\n{"step": 1}\n',  # JSON lines, but not step records
     HEADER + "\n1,0.1,1,1,1,0,,1\n",  # a CSV
