@@ -254,7 +254,8 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
     generators = list({id(g): g for g in [*(_looked_up(x, "generator") for x in (data, *samplers)), *generators]
                        if isinstance(g, torch.Generator)}.values())
     start_states = [g.get_state() for g in generators]
-    if any(s is not None and _looked_up(s, "generator", _UNKNOWN) is None for s in samplers):  # (random ones have one)
+    global_sampler = any(s is not None and _looked_up(s, "generator", _UNKNOWN) is None for s in samplers)
+    if global_sampler:  # (random ones have one)
         warnings.warn(f"task.factory {spec}: the DataLoader's sampler draws from the global RNG: a resume, a rollback "
                       "or locate's replay of a step reads another order than the run did; give it its own seeded "
                       "generator (DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(config.seed)), "
@@ -279,9 +280,12 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
     for key in ("evaluate", "predict"):
         if made.get(key) is not None and not callable(made[key]):
             raise InputError(f"task.factory {spec}: {key} must be a function, got a {type(made[key]).__name__}")
-    def restart() -> Any:
+    def rewind() -> None:  # (the data's generators where every stream starts: batches_from's too)
         for generator, state in zip(generators, start_states):
             generator.set_state(state)
+
+    def restart() -> Any:
+        rewind()
         iterable = make_iterable()
         for loader in [iterable, *(x for x in loaders if x is not iterable)]:
             _fresh_workers(loader, spec)
@@ -302,7 +306,9 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
     drawn_from = rng_state()  # (data may draw from the global RNGs: the second read below draws the same)
     with user_code(f"task.factory {spec}: reading the data failed: "):
         reader = iter(restart())
-        first_batches = list(itertools.islice(reader, FIRST_BATCHES))
+        first_batches = list(itertools.islice(reader, 1))
+        after_first = rng_state()  # (where a resume at position 1 would put the RNGs: _check_resumes_in_a_pass)
+        first_batches += itertools.islice(reader, FIRST_BATCHES - 1)
     held = _held_iterators(reader)  # (what the read drew from: a second read that shares it is a one-shot)
     del reader  # (a DataLoader's workers: not kept through the second read)
     if not first_batches:
@@ -310,9 +316,11 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
     if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in first_batches):
         raise InputError(f"task.factory {spec}: data must yield (inputs, targets) pairs")
     _check_first_batches(first_batches, spec)
-    _check_read_again(restart, first_batches[0], drawn_from, spec, held)
+    again = _check_read_again(restart, first_batches[0], drawn_from, spec, held)
+    if again and not global_sampler and seek is None and len(first_batches) > 1:  # (said already otherwise)
+        _check_resumes_in_a_pass(restart, first_batches[1], after_first, spec)
     if seek is not None:
-        _check_seek(seek, first_batches, spec)
+        _check_seek(seek, first_batches, spec, rewind)
         restart()  # (a batches_from that reads data's DataLoader drew from its generators: back to the start)
     inputs, targets = first_batches[0]
     held_out = made.get("held_out")
@@ -340,7 +348,7 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
         held_out=held_out if isinstance(held_out, TrainingBatches) else lambda: held_out,
         edge_cases=(lambda: edge) if edge is not None else None,
         predict=made.get("predict"),
-        batches_from=None if seek is None else functools.partial(_seeked, seek, spec),
+        batches_from=None if seek is None else functools.partial(_seeked, seek, spec, rewind),
         release=release,
     )
 
@@ -395,7 +403,7 @@ def _check_first_batches(batches: list[Any], spec: str) -> None:
 
 
 def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[str, Any], spec: str,
-                      held: Mapping[int, Any] | None = None) -> None:
+                      held: Mapping[int, Any] | None = None) -> bool:
     """``data`` read again from its start (every epoch, a resume and a rollback do) must give its
     first batch again: none is a one-shot iterable (an ``IterableDataset`` whose ``__iter__``
     returns itself: the run stopped at its fourth step, "bad data"), refused; another batch from
@@ -407,7 +415,7 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
     otherwise is data that changes from pass to pass (a generator of its own that
     :func:`_reached` does not find, not set back), which trains on other batches than a plain
     loop (the start-up's reads drew from it first) and resumes on others again: warned. Read from the RNG state the
-    first read began at, and the RNGs left as the first read left them."""
+    first read began at, and the RNGs left as the first read left them. Whether the first batch came again."""
     one_shot = False
     with rng_kept(), user_code(f"task.factory {spec}: reading the data again failed: "):
         set_rng_state(drawn_from)
@@ -436,6 +444,34 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
                       "DataLoaders and their samplers are set back); re-seed it at the start of each read (in "
                       "__iter__, or in the function data is), or draw from a generator the DataLoader holds "
                       "(generator=)", AmpguardWarning, stacklevel=4)
+    return _same_batch(again, first)
+
+
+def _check_resumes_in_a_pass(restart: Callable[[], Any], second: Any, after_first: dict[str, Any], spec: str) -> None:
+    """``data`` read as a resume at position 1 reads it (from its start, the batch before the
+    position dropped with the RNGs kept, from the RNG state the run had there: ``after_first``)
+    must give the run's second batch, ``second``; another one is data that draws from the global
+    RNGs as a pass begins (a shuffle with ``torch.randperm`` or ``np.random.permutation``, a
+    ``DataLoader(shuffle=True)`` without a generator of its own, its workers' seeds): the
+    resume draws that pass's order from its checkpoint's state, not the one the pass began at,
+    and trains on other batches than the run did (review 52h: unsaid). Warned, not refused: the
+    run trains, and a resume at a pass's start is exact. A random augmentation drawn per batch
+    resumes exactly and passes. The RNGs are left as they were."""
+    with rng_kept(), user_code(f"task.factory {spec}: reading the data again failed: "):
+        set_rng_state(after_first)
+        reader = iter(restart())
+        with rng_kept():
+            next(reader, None)
+        again = next(reader, None)
+        del reader
+    if again is not None and not _same_batch(again, second):
+        warnings.warn(f"task.factory {spec}: data draws from the global RNG as a pass begins (a shuffle without a "
+                      "generator of its own: torch.randperm, a DataLoader(shuffle=True) without generator=, "
+                      "np.random.permutation): a resume, a rollback or locate's replay inside a pass reads that pass "
+                      "in another order than the run did (a pass's order is drawn again from the RNG state at the "
+                      "position, not the one the pass began at); give the shuffle a generator of its own, held by the "
+                      "DataLoader (generator=torch.Generator().manual_seed(0)) or re-seeded at the start of each "
+                      "pass", AmpguardWarning, stacklevel=4)
 
 
 def _one_shot(restart: Callable[[], Any]) -> bool:
@@ -655,11 +691,14 @@ def _looked_up(obj: Any, name: str, default: Any = None) -> Any:
         return default
 
 
-def _check_seek(seek: Callable[[int], Any], first: list[Any], spec: str) -> None:
+def _check_seek(seek: Callable[[int], Any], first: list[Any], spec: str, rewind: Callable[[], None] = lambda: None
+                ) -> None:
     """A factory's ``batches_from`` must start where ``data``'s stream is: ``batches_from(i)``'s
     first batch is data's batch ``i``, checked for the first and the last of ``first`` (data's
-    first batches, read already); else a resume would train on other batches than the run, unsaid."""
+    first batches, read already); else a resume would train on other batches than the run, unsaid.
+    Each call from the data's generators set back (``rewind``), as the run's (:func:`_seeked`)."""
     for i in sorted({0, len(first) - 1}):
+        rewind()  # (review 52h: one that reads data's own seeded DataLoader read its next shuffle: refused)
         with user_code(f"task.factory {spec}: batches_from({i}) raised "):
             got = next(iter(seek(i)), None)
         if got is None or not _same_batch(got, first[i]):
@@ -704,8 +743,11 @@ def _same_batch(a: Any, b: Any) -> bool:
         return False
 
 
-def _seeked(seek: Callable[[int], Any], spec: str, start: int) -> Iterator[Any]:
-    """``batches_from(start)``'s batches; one that ends is refused (the stream runs epoch after epoch)."""
+def _seeked(seek: Callable[[int], Any], spec: str, rewind: Callable[[], None], start: int) -> Iterator[Any]:
+    """``batches_from(start)``'s batches, called with the data's generators set back (``rewind``:
+    every stream starts from the factory's state, as data's own; one that reads data's DataLoader
+    went on from the reads before it); one that ends is refused (the stream runs epoch after epoch)."""
+    rewind()
     count = 0
     for batch in seek(start):
         count += 1

@@ -1,0 +1,100 @@
+"""Review 52h: data that draws from the global RNG as a pass begins (a shuffle with
+``torch.randperm``, a ``DataLoader(shuffle=True)`` without a generator of its own) resumed on
+other batches: a resume reads the pass's start again from the checkpoint's RNG state, not the
+one the pass began at, and nothing said so. Start-up now reads it as a resume would and says so;
+a random augmentation drawn per batch resumes exactly, and is not said."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import caught_warnings, write
+
+from ampguard.config import load_config
+from ampguard.tasks import build_task
+
+FACTORIES = '''
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+g = torch.Generator().manual_seed(5)
+X, Y = torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)
+
+
+def global_perm(config):
+    def data():
+        perm = torch.randperm(12)
+        for i in range(0, 12, 3):
+            yield X[perm[i:i + 3]], Y[perm[i:i + 3]]
+    return nn.Linear(4, 1), data, F.mse_loss
+
+
+def numpy_perm(config):
+    def data():
+        perm = np.random.permutation(12)
+        for i in range(0, 12, 3):
+            yield X[perm[i:i + 3]], Y[perm[i:i + 3]]
+    return nn.Linear(4, 1), data, F.mse_loss
+
+
+def unseeded_loader(config):
+    return nn.Linear(4, 1), (lambda: DataLoader(TensorDataset(X, Y), batch_size=3, shuffle=True)), F.mse_loss
+
+
+def seeded_loader(config):
+    loader = DataLoader(TensorDataset(X, Y), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(0))
+    return nn.Linear(4, 1), loader, F.mse_loss
+
+
+def seek_through_data(config):  # (batches_from reads data's own seeded DataLoader)
+    import itertools
+    loader = DataLoader(TensorDataset(X, Y), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(0))
+
+    def batches_from(start):
+        def passes():
+            while True:
+                yield from loader
+        return itertools.islice(passes(), start, None)
+    return {"model": nn.Linear(4, 1), "data": loader, "loss_fn": F.mse_loss, "batches_from": batches_from}
+
+
+def augmented(config):  # (a draw per batch, from the RNG state of the moment: a resume draws it again so)
+    def data():
+        for i in range(0, 12, 3):
+            yield X[i:i + 3] + 0.1 * torch.randn(3, 4), Y[i:i + 3]
+    return nn.Linear(4, 1), data, F.mse_loss
+'''
+
+SAID = ("data draws from the global RNG as a pass begins (a shuffle without a generator of its own: torch.randperm, "
+        "a DataLoader(shuffle=True) without generator=, np.random.permutation)")
+
+
+@pytest.mark.parametrize("fn", ["global_perm", "numpy_perm", "unseeded_loader"])
+def test_data_shuffled_from_the_global_rng_as_a_pass_begins_is_said_to_resume_on_other_batches(tmp_path, fn):
+    path = write(tmp_path / "f52.py", FACTORIES)
+    said = caught_warnings(lambda: build_task(load_config(None, [f"task.factory={path}:{fn}"])))
+    assert len(said) == 1 and SAID in said[0], said
+    assert "a resume, a rollback or locate's replay inside a pass reads that pass in another order" in said[0]
+
+
+@pytest.mark.parametrize("fn", ["seeded_loader", "augmented"])
+def test_data_that_resumes_exactly_is_not_said(tmp_path, fn):
+    path = write(tmp_path / "f52.py", FACTORIES)
+    assert caught_warnings(lambda: build_task(load_config(None, [f"task.factory={path}:{fn}"]))) == []
+
+
+def test_a_batches_from_that_reads_datas_own_loader_starts_where_data_does(tmp_path):
+    # review 52h: batches_from(0) read the loader's next shuffle (its generator went on from the
+    # start-up's reads): refused as "does not start with data's batch 0"; at run time a resume's
+    # stream went on from whatever read the loader before it
+    import torch
+
+    path = write(tmp_path / "f52.py", FACTORIES)
+    task = build_task(load_config(None, [f"task.factory={path}:seek_through_data"]))
+    stream = task.batches()
+    run = [next(stream)[0] for _ in range(6)]  # (two passes of four: the second reshuffled)
+    for start in (0, 3, 5, 3):  # (a resume, a rollback, another: each from the factory's state)
+        assert torch.equal(next(iter(task.stream(start)))[0], run[start]), start
