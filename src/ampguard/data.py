@@ -19,9 +19,10 @@ from torch.utils._pytree import tree_leaves
 
 from . import distributed
 from .build import to_device
-from .errors import counted
+from .errors import InputError, counted
 from .faults import FaultInjector
 from .tasks import Batch, Task
+from .tasks.base import NO_EXAMPLES, holds_no_examples
 
 
 class DataStream:
@@ -163,6 +164,9 @@ class DataStream:
 
     def _open(self, first_step: int) -> Iterator[Batch]:
         for inputs, targets in self.injector.wrap_data(self._source(), first_step=first_step):
+            if holds_no_examples(inputs):  # (review 52h: mid-run, a skip as a non-finite loss that counted toward
+                # the skip-rate guards, read as an overflow; refused at start-up among the first batches)
+                raise InputError(f"the data's micro-batch {self.position} (counted from 0) {NO_EXAMPLES}")
             self.position += 1
             yield to_device(inputs, self.device), to_device(targets, self.device)
 

@@ -385,6 +385,39 @@ def test_data_that_fails_mid_run_stops_it_with_exit_2_and_keeps_the_steps_before
     assert (run / "checkpoints" / "step-00000005.pt").is_file()
 
 
+EMPTY_LATER = '''
+import torch
+from torch import nn
+
+
+def build(config):
+    def data():
+        g = torch.Generator().manual_seed(1)
+        for i in range(8):
+            n = 0 if i == 5 else 2
+            yield torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+
+    return nn.Linear(4, 1), data, nn.functional.mse_loss
+'''
+
+
+def test_a_micro_batch_with_no_examples_mid_run_is_bad_data_not_an_overflow(cli, tmp_path):
+    # review 52h: refused at start-up among the first four batches, the same batch later was a skip
+    # (non_finite_loss) that threw its group's other micro-batch away and counted toward the skip-rate
+    # guards: a data bug read as an AMP overflow
+    (tmp_path / "empty.py").write_text(EMPTY_LATER, encoding="utf-8")
+    code, out, err = cli("train", "--set", f"task.factory={tmp_path / 'empty.py'}:build", "--set", "device=cpu",
+                         "--set", "precision=fp32", "--set", "steps=4", "--set", "accumulation_steps=2",
+                         "--set", "checkpoint.every=1", "--set", "log.name=e", "--set", "log.plot=false")
+    line = one_error_line((code, out, err))
+    assert line == ("ampguard: error: bad data at step 3: the data's micro-batch 5 (counted from 0) holds no examples: "
+                    "its inputs' first dimension is 0 (every step on it would be skipped as a non-finite loss); the run "
+                    "is intact up to step 2 (checkpoints/step-00000002.pt: --resume continues from there once the data "
+                    "is fixed)"), line
+    with open(tmp_path / "runs" / "e" / "steps.csv", newline="", encoding="utf-8") as f:
+        assert [(r["step"], r["skipped"]) for r in csv.DictReader(f)] == [("1", "0"), ("2", "0")]
+
+
 FAILING_INSIDE_A_GROUP = '''
 from pathlib import Path
 

@@ -99,6 +99,28 @@ class Task:
         return self.predict(model, inputs) if self.predict is not None else model(inputs)
 
 
+NO_EXAMPLES = ("holds no examples: its inputs' first dimension is 0 (every step on it would be skipped as a "
+               "non-finite loss)")
+"""What is said of a batch :func:`holds_no_examples` finds, at start-up and mid-run."""
+
+
+def holds_no_examples(inputs: Any) -> bool:
+    """Whether a batch's inputs hold no examples: every tensor leaf with a dimension has a first
+    dimension of 0 (a step on it is a mean over nothing, NaN: skipped as a non-finite loss, every
+    time). Shapes only, no host read.
+
+    Example::
+
+        >>> holds_no_examples(torch.empty(0, 3)), holds_no_examples({"ids": torch.ones(2, 3)}), holds_no_examples(7)
+        (True, False, False)
+    """
+    from torch.utils._pytree import tree_leaves
+
+    sizes = [leaf.shape[0] for leaf in tree_leaves(inputs)
+             if isinstance(getattr(leaf, "shape", None), tuple) and len(leaf.shape) > 0]
+    return bool(sizes) and not any(sizes)
+
+
 def cycle(make_iterable: Callable[[], Any]) -> Iterator[Batch]:
     """Endless batches from a finite, re-iterable source (a list, a DataLoader): epoch after epoch.
 

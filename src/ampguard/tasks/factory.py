@@ -57,7 +57,7 @@ from ..faults import has_floating_input
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
 from ..untouched import rng_kept
-from .base import FIRST_BATCHES, Task, cycle
+from .base import FIRST_BATCHES, NO_EXAMPLES, Task, cycle, holds_no_examples
 
 
 def factory_file(target: str) -> bool:
@@ -395,11 +395,8 @@ def _check_first_batches(batches: list[Any], spec: str) -> None:
         if any(leaf.is_meta for leaf in leaves):
             raise InputError(f"task.factory {spec}: data's batch {index} (counted from 0) holds a tensor on the meta "
                              "device (a shape without values): make the data's tensors on the CPU, with their values")
-        sizes = [leaf.shape[0] for leaf in tree_leaves(inputs)
-                 if isinstance(getattr(leaf, "shape", None), tuple) and len(leaf.shape) > 0]
-        if sizes and not any(sizes):
-            raise InputError(f"task.factory {spec}: data's batch {index} (counted from 0) holds no examples: its "
-                             "inputs' first dimension is 0 (every step on it would be skipped as a non-finite loss)")
+        if holds_no_examples(inputs):
+            raise InputError(f"task.factory {spec}: data's batch {index} (counted from 0) {NO_EXAMPLES}")
 
 
 def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[str, Any], spec: str,
