@@ -981,10 +981,11 @@ def measure(
     contender of one round would otherwise precede the first of the next (for three
     contenders, sometimes itself).
 
-    ``rounds`` is the least number of rounds. Without ``resolve`` it is rounded up to whole
-    cycles of the orders (``whole_cycles``, with a line saying so; ``--quick`` leaves it as
-    given): a run cut inside a cycle has some contenders in the first place more often than
-    others, and a contender's time depends on its place. With ``resolve`` (0.01 is ``± 1%``) rounds are
+    ``rounds`` is the least number of rounds. It is rounded up to whole cycles of the orders
+    (``whole_cycles``, with a line saying so; ``--quick`` leaves it as given): a run cut inside
+    a cycle has some contenders in the first place more often than others, and a contender's
+    time depends on its place; with ``resolve`` too, so a budget stop, cut back to whole cycles,
+    keeps at least ``rounds``. With ``resolve`` (0.01 is ``± 1%``) rounds are
     added until every contender's ratio interval is within ``± resolve``, ``budget_s`` seconds
     of rounds have passed, or ``max_rounds`` were run; each result's ``stop`` says which. A
     case is called resolved only at the end of a whole cycle of the orders (``n`` rounds for
@@ -1055,10 +1056,13 @@ def measure(
         return []
     timed = [r.contender for r in ready]
     cycle = orders(len(timed))
-    if resolve is None and whole_cycles and rounds % len(cycle):
+    # review 52b: with --resolve the least rounds were left as asked, and a budget that ran out between them
+    # and the end of the cycle was cut back to the last whole cycle (7 asked, 4 kept, no interval): whole too
+    if whole_cycles and rounds % len(cycle):
         asked, rounds = rounds, in_whole_cycles(rounds, len(cycle))
-        print(f"  {case}: {rounds} rounds, not {asked}: fixed rounds run whole cycles of the {len(cycle)} round "
-              "orders (every contender in every place alike)", flush=True)
+        fixed = "fixed rounds run" if resolve is None else "the rounds run"
+        print(f"  {case}: {'' if resolve is None else 'at least '}{rounds} rounds, not {asked}: {fixed} whole cycles "
+              f"of the {len(cycle)} round orders (every contender in every place alike)", flush=True)
     ran = _run_rounds(timed, device, case, steps=steps, orders=cycle, rounds=rounds, resolve=resolve,
                       budget_s=budget_s, max_rounds=max_rounds)
     # the results first, then the closes: an interrupt from here on (the rounds all ran) keeps them
@@ -1673,7 +1677,7 @@ def run_bench(
     CPU runs only the :data:`SMALL` models (the mlp and nano MLPs). fp8 converts the model
     (:func:`fp8_workload`; the peers are left out); ``compiled`` runs every model through
     ``torch.compile`` (:func:`compiled_workload`), as torchao's float8 needs to be fast.
-    ``whole_cycles``: fixed rounds rounded up to whole cycles of the orders (:func:`measure`).
+    ``whole_cycles``: the least rounds rounded up to whole cycles of the orders (:func:`measure`).
     ``batch``: every workload's batch size (None: each its own, :data:`BATCHES`). An interrupt
     (Ctrl-C, or the SIGTERM :func:`run` turns into one) ends the bench: inside a case's rounds
     after a whole one, with the results so far (the last case's ``stop``: :data:`INTERRUPTED`);
@@ -2089,8 +2093,8 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     :class:`~ampguard.signals.Interrupted` (130 or 143).
 
     At least ``rounds`` paired rounds per case, then more until every ratio is resolved to
-    ``± resolve_pct`` percent (0: ``rounds``, rounded up to whole cycles of the round orders
-    unless ``quick``) or ``budget_s`` seconds of rounds have passed. The header gives the
+    ``± resolve_pct`` percent (0: ``rounds``) or ``budget_s`` seconds of rounds have passed
+    (``rounds`` rounded up to whole cycles of the round orders unless ``quick``). The header gives the
     machine's load before the bench (and a warning on stderr when it is above the usable CPUs:
     other work shares the cores); from the end of the bench to the end of the output a SIGINT or
     SIGTERM waits (:func:`~ampguard.signals.held_signals`, blocked at the OS level: a write into

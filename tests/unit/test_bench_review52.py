@@ -1,0 +1,33 @@
+"""Review 52b: ``ampguard bench`` (its rounds in resolve mode, a reader that left, ``--quick`` with
+``--rounds``, ``--threads`` on a GPU) and ``benchmarks/train_vs_bare.py``'s precisions."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ampguard.precision import Precision
+
+
+def test_resolve_mode_rounds_up_the_least_rounds_to_whole_cycles_so_a_budget_stop_keeps_them(capsys):
+    # review 52b #1: four contenders (a cycle of 4 orders), --rounds 7 and a budget spent at once: 7 rounds ran,
+    # the cut back to whole cycles kept 4, below the 7 asked and the 6 an interval needs (no 95% interval)
+    from ampguard.bench import Bare, BareAgain, _mlp, balanced_orders, measure
+
+    class BareB(Bare):
+        name = "bare loop (B)"
+
+    class BareC(Bare):
+        name = "bare loop (C)"
+
+    cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+    assert len(balanced_orders(4)) == 4
+    results = measure(_mlp(cpu), fp32, cpu, [Bare, BareAgain, BareB, BareC], steps=1, rounds=7, warmup=1,
+                      fused=False, resolve=0.01, budget_s=0.0)
+    assert [(len(r.rounds), r.stop, r.stop_detail) for r in results] == [(8, "budget", None)] * 4
+    assert all(sorted(r.positions) == [0, 0, 1, 1, 2, 2, 3, 3] for r in results)  # every place alike
+    assert all(not math.isnan(r.ratio_low) and r.ratio_low <= r.ratio_to_bare <= r.ratio_high for r in results[1:])
+    assert ("tiny-mlp fp32: at least 8 rounds, not 7: the rounds run whole cycles of the 4 round orders"
+            in capsys.readouterr().out)
+
