@@ -2142,7 +2142,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     where = resolve_device(device)
     workloads, names = models.split(","), precisions.split(",")
     _check_args(where, workloads, names, peak_tflops=peak_tflops, resolve_pct=resolve_pct, budget_s=budget_s,
-                threads=threads, quick=quick)
+                threads=threads, quick=quick, rounds=rounds)
     if quick:
         steps, rounds, warmup, resolve_pct, aa = 3, 2, 1, 0.0, False
     resolve = resolve_pct / 100 if resolve_pct > 0 else None
@@ -2318,7 +2318,8 @@ any timer's noise (and a tinier one divided by 100 reached 0.0, read as "nothing
 
 
 def _check_args(where: torch.device, workloads: list[str], names: list[str], *, peak_tflops: float | None,
-                resolve_pct: float, budget_s: float, threads: int | None, quick: bool = False) -> None:
+                resolve_pct: float, budget_s: float, threads: int | None, quick: bool = False,
+                rounds: int | None = None) -> None:
     """Refuse, as one :class:`~ampguard.errors.InputError` line, what :func:`run` cannot measure:
     an unknown or repeated model or precision (a repeat would run the case twice), a
     ``--peak-tflops`` that is not a finite number > 0 or is given with none of the :data:`COUNTED`
@@ -2326,8 +2327,10 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
     left out, :func:`_case_left_out`: it gave no MFU, and said nothing), ``--resolve`` or ``--budget`` not a
     finite number >= 0, a ``--resolve`` of 100% or more, one below :data:`MIN_RESOLVE_PCT` but
     not 0, or one with ``--budget 0`` (no time to
-    resolve in; not with ``quick``, which resolves nothing and ignores the budget), ``--threads``
-    below 1, or no case left to run (fp16 alone on a CPU with none of the :data:`SMALL` models).
+    resolve in; not with ``quick``, which resolves nothing and ignores the budget), ``--rounds``
+    past :data:`MAX_ROUNDS` with ``--resolve`` (not with ``quick``, which sets its own rounds),
+    ``--threads`` below 1 or on a GPU (it pins a CPU's threads: it did nothing there, unsaid), or
+    no case left to run (fp16 alone on a CPU with none of the :data:`SMALL` models).
 
     Example::
 
@@ -2385,8 +2388,16 @@ def _check_args(where: torch.device, workloads: list[str], names: list[str], *, 
     if resolve_pct > 0 and budget_s == 0 and not quick:
         raise InputError("bench: --budget 0 leaves no time to add rounds until resolved: give --resolve 0 to run "
                          "exactly --rounds")
+    # review 52b: checked by the command line before --quick overrode --rounds and --resolve (`--quick --rounds
+    # 2000` refused for a --resolve --quick turns off), in a line without "bench:"
+    if rounds is not None and resolve_pct > 0 and not quick and rounds > MAX_ROUNDS:  # (the least past the most)
+        raise InputError(f"bench: --rounds {rounds} is more than the {MAX_ROUNDS} rounds a case run to --resolve "
+                         "may take; --resolve 0 runs a fixed number of rounds")
     if threads is not None and threads < 1:
         raise InputError(f"bench: --threads must be >= 1, got {threads}")
+    if threads is not None and where.type != "cpu":  # review 52b: ignored on cuda ("threads": null), unsaid
+        raise InputError(f"bench: --threads {threads} pins a CPU's intra-op threads; on {where.type} the steps run "
+                         "on the GPU and it is not used: leave it out")
 
 
 @contextlib.contextmanager

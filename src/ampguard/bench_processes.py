@@ -372,7 +372,7 @@ def run(*, processes: int, device: str, models: str, precisions: str, steps: int
     from .errors import InputError
 
     _check_args(resolve_device(device), models.split(","), precisions.split(","), peak_tflops=peak_tflops,
-                resolve_pct=resolve_pct, budget_s=budget_s, threads=threads, quick=quick)
+                resolve_pct=resolve_pct, budget_s=budget_s, threads=threads, quick=quick, rounds=rounds)
     if resolve_pct > 0 and not quick and not budget_s / processes > 0:  # (a share a float rounds to 0: refused)
         raise InputError(f"bench: --budget {budget_s:g} shared by {processes} processes leaves none a second")
     child = child_args(device=device, models=models, precisions=precisions, steps=steps, rounds=rounds,

@@ -354,9 +354,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    if args.resolve and args.rounds > bench.MAX_ROUNDS:  # (the least rounds past the most: neither would hold)
-        raise InputError(f"--rounds {args.rounds} is more than the {bench.MAX_ROUNDS} rounds a case run to --resolve "
-                         "may take; --resolve 0 runs a fixed number of rounds")
+    # (--rounds past the most a --resolve may take: bench._check_args, after --quick's own rounds; review 52b)
     settings = dict(device=args.device, models=args.models, precisions=args.precisions, steps=args.steps,
                     rounds=args.rounds, warmup=args.warmup, fused=args.fused, peers=not args.no_peers,
                     peak_tflops=args.peak_tflops, quick=args.quick, as_json=args.json, resolve_pct=args.resolve,
@@ -577,7 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(0: just --rounds, in whole cycles)")
     bench.add_argument("--budget", type=_number, default=120.0, metavar="SECONDS",
                        help="stop adding rounds to a case after this long (the table says it was not resolved)")
-    bench.add_argument("--threads", type=_threads, help="CPU intra-op threads, pinned (default: the CPUs this process may run on)")
+    bench.add_argument("--threads", type=_threads, help="CPU intra-op threads, pinned (default: the CPUs this process "
+                       "may run on; --device cpu only)")
     bench.add_argument("--no-aa", action="store_true", help="leave out the A/A contender (a second bare loop)")
     bench.add_argument("--processes", type=_positive_int, default=1, metavar="N",
                        help="run the bench N times in fresh processes, one after another (--budget / N a case each), "

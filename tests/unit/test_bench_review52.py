@@ -31,3 +31,30 @@ def test_resolve_mode_rounds_up_the_least_rounds_to_whole_cycles_so_a_budget_sto
     assert ("tiny-mlp fp32: at least 8 rounds, not 7: the rounds run whole cycles of the 4 round orders"
             in capsys.readouterr().out)
 
+
+def test_quick_takes_rounds_past_the_most_a_resolve_may_take_and_the_refusal_names_the_verb(capsys):
+    # review 52b #4: --quick turns --resolve off and sets its own rounds, yet `--quick --rounds 2000` was refused
+    # for the --resolve it overrides, in a line without the "bench:" every other bench refusal has
+    from ampguard.cli import main
+
+    assert main(["bench", "--quick", "--rounds", "2000", "--models", "nano", "--precisions", "fp32", "--no-peers"]) == 0
+    assert "| nano-mlp | fp32 | ampguard + csv |" in capsys.readouterr().out
+    assert main(["bench", "--rounds", "1001", "--models", "nano", "--precisions", "fp32", "--no-peers"]) == 2
+    assert capsys.readouterr().err.strip() == ("ampguard: error: bench: --rounds 1001 is more than the 1000 rounds a case "
+                                               "run to --resolve may take; --resolve 0 runs a fixed number of rounds")
+
+
+def test_threads_on_a_gpu_is_refused_rather_than_ignored():
+    # review 52b #5: --threads pins a CPU's intra-op threads; on cuda it did nothing, and nothing said so
+    # ("threads": null in the JSON, no word in the header). (_check_args takes the device as given: no GPU needed)
+    import pytest
+
+    from ampguard.bench import _check_args
+    from ampguard.errors import InputError
+
+    cuda = torch.device("cuda")
+    _check_args(cuda, ["nano"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=10.0, threads=None)
+    with pytest.raises(InputError, match=r"^bench: --threads 2 pins a CPU's intra-op threads; on cuda the steps run "
+                                         r"on the GPU and it is not used: leave it out$"):
+        _check_args(cuda, ["nano"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=10.0, threads=2)
+    _check_args(torch.device("cpu"), ["nano"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=10.0, threads=2)
