@@ -2137,7 +2137,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
     """
     from .build import resolve_device
     from .errors import ExitCode, InputError
-    from .signals import Interrupted, held_signals
+    from .signals import Interrupted
 
     where = resolve_device(device)
     workloads, names = models.split(","), precisions.split(",")
@@ -2194,12 +2194,12 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                                             rounds=rounds, warmup=warmup, peers=peers, fused=fused,
                                             peak_tflops=peak_tflops, resolve=resolve, budget_s=budget_s, aa=aa,
                                             compiled=compiled, left_out=left_out, whole_cycles=not quick, batch=batch)
-                        holding.enter_context(held_signals()).cutting = "the output"  # (a second signal: cut, exit)
+                        hold_output(holding)  # (a second signal: cut, exit)
                     except KeyboardInterrupt as stopped:  # (Ctrl-C, or the SIGTERM interrupted_by turns into one)
                         results, cut = stopped.results if isinstance(stopped, BenchInterrupted) else results, True
                         if not results:  # nothing measured: exit as an interrupted command does (143 for SIGTERM)
                             raise Interrupted(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED) from None
-                        holding.enter_context(held_signals()).cutting = "the output"
+                        hold_output(holding)
                 finally:
                     sys.stdout = stdout
                 # (a case cut before its first whole round, or while built or warmed up, left the one
@@ -2224,11 +2224,41 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                     print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
                           "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
                 written = True
-        except Interrupted:  # (the hold's, once the output is whole: a signal came while it was written)
-            if not (written and (interrupted or lost_stdout() is not None)):
+        except Interrupted as held:  # (the hold's, once the output is whole: a signal came while it was written)
+            # (or stdout's reader left while it was written: the bench finishes with its own code; review 52b)
+            if not (written and (interrupted or lost_stdout() is not None or held.exit_code == ExitCode.BROKEN_PIPE)):
                 raise
         return output_written(as_json, int(ExitCode.TERMINATED if signalled else ExitCode.INTERRUPTED)
                               if interrupted else 0)
+
+
+def hold_output(holding: contextlib.ExitStack) -> None:
+    """Hold the signals while the bench's output is written (:func:`~ampguard.signals.held_signals`,
+    entered on ``holding``): one waits until the output is whole, a second one cuts it ("the output
+    was cut"). stdout's reader leaving (``bench | head -1``: a progress line found the pipe closed)
+    is no stop for the bench: outside a run a verb finishes with its own code (docs/design.md, as
+    ``validate``, ``report`` and ``compare`` do). Review 52b: the hold's flag started stopped by it
+    (SIGPIPE, a run's stop at its first step), and a bench that had measured every case said
+    "ampguard: interrupted", exit 141; a reader leaving during the output is the caller's to
+    forgive (the hold's :class:`~ampguard.signals.Interrupted` with exit 141).
+
+    Example::
+
+        >>> from ampguard.signals import reader_left
+        >>> reader_left()  # (no run: the next stop flag would start stopped)
+        >>> with contextlib.ExitStack() as holding:
+        ...     hold_output(holding)
+        ...     print("written")
+        written
+        >>> from ampguard import signals
+        >>> signals._READER_GONE[0] = False
+    """
+    from .signals import held_signals
+
+    flag = holding.enter_context(held_signals())
+    flag.cutting = "the output"
+    if flag.signal == signal.SIGPIPE:  # (the reader that left before: only a SIGINT or SIGTERM stops the output)
+        flag.signal = None
 
 
 def output_written(as_json: bool, code: int) -> int:

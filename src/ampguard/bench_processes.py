@@ -28,9 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bench import CONFIDENCE, INTERVAL, Bare, _reach, interrupted_by, json_number, median_interval, output_written
+from .bench import (
+    CONFIDENCE, INTERVAL, Bare, _reach, hold_output, interrupted_by, json_number, median_interval, output_written,
+)
 from .errors import counted
-from .signals import Interrupted, held_signals, lost_stdout
+from .signals import Interrupted, lost_stdout
 
 MIN_PROCESSES_FOR_INTERVAL = 6
 """The fewest processes with a 95% interval of their median (:func:`~ampguard.bench.median_interval`)."""
@@ -308,7 +310,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
                               f"{counted(len(children), 'process', 'processes')} before it follow", file=say,
                               flush=True)
                         break
-                holding.enter_context(held_signals()).cutting = "the output"  # (a second signal: cut, exit)
+                hold_output(holding)  # (a second signal: cut, exit)
             except KeyboardInterrupt:
                 if proc is not None and proc.poll() is None:
                     _end(proc)
@@ -318,7 +320,7 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
                          f"after process {i} of {n}" if i else f"before process 1 of {n}")
                 print(f"bench: interrupted {where}; the {counted(len(children), 'process', 'processes')} before "
                       "it follow", file=say, flush=True)
-                holding.enter_context(held_signals()).cutting = "the output"
+                hold_output(holding)
             rows = across(children)
             if quick:
                 for row in rows:
@@ -328,9 +330,10 @@ def run_across(n: int, child_args: list[str], *, resolve: float | None, as_json:
             elif rows:
                 print("\n".join([table(rows, quick), *([] if quick else [*stops(children), *resolution(rows, resolve)])]),
                       flush=True)
-    except Interrupted:  # (the hold's: a signal came while the output was written, which is whole; the code
-        # found before it stands: an interrupt's in the processes, a failed process's, a lost stdout's 74)
-        if stopped is None and lost_stdout() is None:
+    except Interrupted as held:  # (the hold's: a signal came while the output was written, which is whole; the code
+        # found before it stands: an interrupt's in the processes, a failed process's, a lost stdout's 74;
+        # review 52b: stdout's reader that left while it was written is no interrupt, its own code stands)
+        if stopped is None and lost_stdout() is None and held.exit_code != ExitCode.BROKEN_PIPE:
             raise
     return output_written(as_json, code)
 

@@ -261,7 +261,8 @@ def test_a_signal_just_after_a_case_was_measured_does_not_also_name_it_cut(monke
 
 
 def _signal_before_the_hold(monkeypatch, module, caller: str, sig: int) -> list[bool]:
-    """``module.held_signals``, patched: ``sig`` sent just before ``caller``'s first hold is entered."""
+    """``module.held_signals``, patched: ``sig`` sent just before ``caller``'s first hold is entered
+    (``hold_output``: the bench's and the processes' hold on their output, review 52b)."""
     real, sent = signals.held_signals, []
 
     def held():
@@ -277,7 +278,7 @@ def _signal_before_the_hold(monkeypatch, module, caller: str, sig: int) -> list[
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_between_the_bench_and_the_hold_on_its_output_keeps_the_results(monkeypatch, capsys, sig, code):
     # review 39b #5: after interrupted_by was left, before held_signals: exit 130, nothing printed
-    sent = _signal_before_the_hold(monkeypatch, signals, "run", sig)  # (bench.run imports it from signals)
+    sent = _signal_before_the_hold(monkeypatch, signals, "hold_output", sig)  # (it imports it from signals)
     assert main(["bench", "--models", "nano", "--precisions", "fp32", *FAST, "--json"]) == code
     out, err = capsys.readouterr()
     assert sent and {(r["workload"], r["stop"]) for r in json.loads(out)["results"]} == {("nano-mlp", "fixed")}
@@ -286,7 +287,7 @@ def test_a_signal_between_the_bench_and_the_hold_on_its_output_keeps_the_results
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_after_the_last_process_before_the_hold_keeps_their_rows(tmp_path, monkeypatch, capsys, sig, code):
-    sent = _signal_before_the_hold(monkeypatch, bp, "run_across", sig)
+    sent = _signal_before_the_hold(monkeypatch, signals, "hold_output", sig)
     real_run_across, launch = bp.run_across, _launcher(tmp_path, [1.1, 1.2])
     monkeypatch.setattr(bp, "run_across", lambda n, child, **kw: real_run_across(n, child, **kw, launch=launch))
     assert main(["bench", "--processes", "2", "--models", "nano", "--precisions", "fp32", *FAST, "--json"]) == code

@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import math
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from ampguard.precision import Precision
@@ -47,8 +53,6 @@ def test_quick_takes_rounds_past_the_most_a_resolve_may_take_and_the_refusal_nam
 def test_threads_on_a_gpu_is_refused_rather_than_ignored():
     # review 52b #5: --threads pins a CPU's intra-op threads; on cuda it did nothing, and nothing said so
     # ("threads": null in the JSON, no word in the header). (_check_args takes the device as given: no GPU needed)
-    import pytest
-
     from ampguard.bench import _check_args
     from ampguard.errors import InputError
 
@@ -58,3 +62,52 @@ def test_threads_on_a_gpu_is_refused_rather_than_ignored():
                                          r"on the GPU and it is not used: leave it out$"):
         _check_args(cuda, ["nano"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=10.0, threads=2)
     _check_args(torch.device("cpu"), ["nano"], ["fp32"], peak_tflops=None, resolve_pct=1.0, budget_s=10.0, threads=2)
+
+
+class _ReaderLeaves(io.StringIO):
+    """stdout into a pipe whose reader leaves (``| head``): the writes from the one that holds ``at`` on
+    fail with EPIPE, as a pipe with no reader does."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at, self.left = at, False
+
+    def write(self, text: str) -> int:
+        if self.left or self.at in text:
+            self.left = True
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+        return super().write(text)
+
+
+@pytest.mark.parametrize("at", ["nano-mlp fp32:", "| workload |"])  # (in the rounds' lines; at the table)
+def test_a_bench_whose_reader_left_finishes_with_its_own_code_and_says_no_interrupt(monkeypatch, capsys, at):
+    # review 52b #2: `bench | head -1`: the reader leaving made the hold around the output start stopped (SIGPIPE),
+    # and the bench that ran to its end said "ampguard: interrupted", exit 141, an interrupt nobody sent.
+    # A verb outside a run finishes with its own code (docs/design.md, as validate, report and compare do)
+    from ampguard.cli import main
+
+    out = _ReaderLeaves(at)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["bench", "--quick", "--models", "nano", "--precisions", "fp32", "--no-peers"]) == 0
+    assert out.left and out.getvalue().startswith("ampguard bench on cpu")
+    assert "interrupted" not in capsys.readouterr().err
+
+
+def test_a_bench_across_processes_whose_reader_left_finishes_with_its_own_code(tmp_path, capsys):
+    # review 52b #2, --processes: the rows printed into a pipe with no reader raised Interrupted(141)
+    from ampguard import bench_processes as bp
+    from ampguard.signals import tolerant_console
+
+    child = tmp_path / "child.py"
+    row = {"workload": "nano-mlp", "precision": "fp32", "contender": "ampguard + csv", "ratio_to_bare": 1.1,
+           "half_width": 0.01}
+    child.write_text(f"import json; print(json.dumps({{'results': [{row!r}]}}))", encoding="utf-8")
+
+    def launch(argv):
+        return subprocess.Popen([sys.executable, str(child)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    with contextlib.redirect_stdout(_ReaderLeaves("| workload |")), tolerant_console():
+        assert bp.run_across(2, [], resolve=None, as_json=False, launch=launch) == 0
+    assert "interrupted" not in capsys.readouterr().err
+
