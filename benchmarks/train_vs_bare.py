@@ -61,6 +61,10 @@ import torch
 TOLERANCE = 0.02
 """The goal: ``ampguard train`` within 2% of the bare compiled loop's tokens/s."""
 BARE, OURS, EXACT = "bare loop", "ampguard train", "ampguard train (fast: false)"
+BARE_PRECISIONS = ("bf16", "fp32")
+"""The precisions :func:`bare` runs as ``ampguard train`` does: autocast (or none), backward, step.
+fp16 would need the recipe's GradScaler and fp8 torchao's float8 layers (review 52b: they were taken,
+and the figure compared other work)."""
 
 
 def _config(args: argparse.Namespace, **extra):
@@ -264,7 +268,8 @@ def main() -> int:
 
     parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--precision", default="bf16", help="bf16 or fp32 (the bare loop runs no other as "
+                        "ampguard train does)")
     parser.add_argument("--steps", type=int, default=80, help="steps a run")
     parser.add_argument("--every", type=int, default=20, help="steps per measured interval")
     parser.add_argument("--skip", type=int, default=20, help="steps before the first measured interval")
@@ -282,6 +287,10 @@ def main() -> int:
                         help="a folder for the JSON (made if missing); an earlier result there is refused, "
                         "not replaced")
     args = parser.parse_args()
+    if args.precision not in BARE_PRECISIONS:  # review 52b: fp8 timed bf16 autocast, fp16 no scaler, against train's
+        parser.error(f"--precision {args.precision}: the bare loop here runs bf16 or fp32 only (in fp16 it has no "
+                     "GradScaler, in fp8 no float8 layers: it would time other work than ampguard train); "
+                     "`ampguard bench --precisions fp16,fp8` compares those")
     if args.quick:
         args.steps, args.every, args.skip, args.batch = 12, 4, 4, 4
     for flag, value in (("--steps", args.steps), ("--every", args.every), ("--skip", args.skip),
