@@ -253,6 +253,10 @@ class FaultInjector:
         self.first_step = first_step
         self.current_step = 0  # the step whose micro-batch was handed out last
         self._hooks: list[Any] = []
+        self.fired: set[int] = set()
+        """The steps at which an ``inf_grad`` / ``nan_grad`` fault fired (set a gradient element)."""
+        self._grads_attached = False  # (attach armed the gradient faults: missed() can tell)
+        self._armed = False  # (a batch or a forward since the last injection: the next gradient hook takes one)
 
     def active(self, kind: str) -> bool:
         """Whether a fault of ``kind`` fires at :attr:`current_step` (the step last fed).
@@ -267,7 +271,8 @@ class FaultInjector:
         return any(f.kind == kind and f.hits(self.current_step) for f in self.faults)
 
     def firing(self, step: int) -> list[str]:
-        """The specs of this rank's faults that fire at ``step``: what a finding there is, said so.
+        """The specs of this rank's faults that fire at ``step``: what a finding there is, said so;
+        less a gradient fault that did not fire there (:meth:`missed`, review 52f).
 
         Example::
 
@@ -275,7 +280,8 @@ class FaultInjector:
             ...                parse_fault("spike@2@rank1")]).firing(2)
             ['nan_loss@2', 'inf_grad@every:2']
         """
-        return [f.spec() for f in self.faults if f.hits(step)]
+        missed = self.missed(step)
+        return [f.spec() for f in self.faults if f.hits(step) and f.spec() not in missed]
 
     def wrap_data(self, batches: Iterable[tuple[Any, Any]], first_step: int | None = None) -> Iterator[tuple[Any, Any]]:
         """Yield the batches, corrupting those of faulted steps (``spike``, ``nan_input``).
@@ -293,6 +299,7 @@ class FaultInjector:
         first = self.first_step if first_step is None else first_step
         for i, (inputs, targets) in enumerate(batches):
             self.current_step = first + i // self.accumulation_steps
+            self._armed = True  # (its backward takes one gradient fault: attach's)
             if self.active("nan_input"):
                 inputs = _with_nan(inputs)
             if self.active("spike") and floating_tensor(targets):
@@ -326,44 +333,80 @@ class FaultInjector:
         return injected_loss
 
     def attach(self, model: nn.Module) -> None:
-        """Arm ``inf_grad`` / ``nan_grad``: a gradient hook sets element 0 of the first trainable
-        parameter's gradient on the faulted step.
+        """Arm ``inf_grad`` / ``nan_grad``: on the faulted step, element 0 of the first parameter
+        gradient each backward produces is set (a gradient hook on every trainable parameter; each
+        micro-batch handed out and each forward of the model arm one injection, the first of the
+        hooks to run takes it: a diagnosis's replays of the batch each get it too).
+
+        Review 52f: the hook sat on the first trainable parameter alone; one that takes no part in
+        the backward (an auxiliary head defined first, an expert not routed) never ran it, and the
+        fault never fired while the run card said it was injected. A pass that runs no backward
+        (``locate``'s replay of a non-finite loss; the guarded step runs one, seeded 0) fires none:
+        :meth:`missed` names it, :meth:`firing` leaves it out.
 
         An FSDP2-sharded parameter is never run through by the backward pass (FSDP2 computes with
         unsharded copies and writes the reduced shard into ``.grad``), so there the hook sits on
         the gradient flowing back into the model's output instead, through a forward hook.
 
-        Example::
+        Example (the first parameter, an unused head's, gets no gradient; the fault fires all the same)::
 
-            >>> model = torch.nn.Linear(2, 1)
+            >>> model = torch.nn.ModuleDict({"unused": torch.nn.Linear(2, 2), "used": torch.nn.Linear(2, 1)})
             >>> inj = FaultInjector([parse_fault("inf_grad@2")])
             >>> inj.attach(model)
             >>> for x, y in inj.wrap_data([(torch.ones(1, 2), torch.zeros(1, 1))] * 2):
             ...     model.zero_grad()
-            ...     torch.nn.functional.mse_loss(model(x), y).backward()
-            ...     print(inj.current_step, torch.isinf(model.weight.grad).any().item())
-            1 False
-            2 True
+            ...     torch.nn.functional.mse_loss(model["used"](x), y).backward()
+            ...     print(inj.current_step, sum(int(torch.isinf(p.grad).sum()) for p in model["used"].parameters()))
+            1 0
+            2 1
             >>> inj.detach()
         """
         if not any(f.kind in ("inf_grad", "nan_grad") for f in self.faults):
             return
+        self._grads_attached = True
 
         def grad_hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self._armed:  # (fired already in this backward: one element of one gradient)
+                return grad
             for kind, value in (("inf_grad", float("inf")), ("nan_grad", float("nan"))):
                 if self.active(kind):
+                    self._armed = False
+                    self.fired.add(self.current_step)
                     grad = grad.clone()
                     grad.view(-1)[0] = value
             return grad
 
+        def arm(*_: Any) -> None:  # a forward of the model: its backward takes one injection
+            self._armed = True
+
         def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) else output
             if isinstance(out, torch.Tensor) and out.requires_grad:
+                arm()
                 out.register_hook(grad_hook)
 
-        param = next(p for p in model.parameters() if p.requires_grad)
-        sharded = hasattr(param, "placements")  # a DTensor: FSDP2
-        self._hooks.append(model.register_forward_hook(forward_hook) if sharded else param.register_hook(grad_hook))
+        params = [p for p in model.parameters() if p.requires_grad]
+        if any(hasattr(p, "placements") for p in params):  # a DTensor: FSDP2
+            self._hooks.append(model.register_forward_hook(forward_hook))
+            return
+        self._hooks.append(model.register_forward_pre_hook(arm))
+        self._hooks += [p.register_hook(grad_hook) for p in params]
+
+    def missed(self, step: int) -> list[str]:
+        """The specs of this rank's ``inf_grad`` / ``nan_grad`` faults that hit ``step`` and did
+        not fire there: no backward of the step reached a parameter (its loss was not finite, and
+        it ran none). Only once :meth:`attach` armed them, and the step's backward has run.
+
+        Example::
+
+            >>> inj = FaultInjector([parse_fault("inf_grad@1"), parse_fault("nan_loss@1")])
+            >>> inj.attach(torch.nn.Linear(2, 1))
+            >>> inj.missed(1), inj.firing(1)  # (no backward ran at step 1)
+            (['inf_grad@1'], ['nan_loss@1'])
+        """
+        if not self._grads_attached or step in self.fired:
+            return []
+        return [f.spec() for f in self.faults if f.kind in ("inf_grad", "nan_grad") and f.hits(step)]
 
     def detach(self) -> None:
         """Remove the hooks :meth:`attach` added; the model's gradients are left alone from then on."""

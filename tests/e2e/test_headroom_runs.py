@@ -93,8 +93,10 @@ def test_an_injected_skip_writes_every_parameters_gradient_norm_and_only_then(tm
     event = events[0]
     assert event["reason"] == "non_finite_grad" and event["order"] == "backward"
     assert set(event["norms"]) == {"weight", "bias"}
-    assert event["non_finite"] == ["weight"] and event["norms"]["weight"] == "inf"  # strict JSON: inf as a string
-    assert isinstance(event["norms"]["bias"], float)
+    # (the fault sets the first gradient the backward makes, review 52f: one of the two, whichever torch makes first)
+    [bad] = event["non_finite"]
+    assert event["norms"][bad] == "inf"  # strict JSON: inf as a string
+    assert isinstance(event["norms"][({"weight", "bias"} - {bad}).pop()], float)
     assert "1 of 2 gradients non-finite" in event["message"]
 
 

@@ -169,22 +169,22 @@ def test_grad_hook_corrupts_only_the_faulted_step(kind, check):
     model = nn.Linear(3, 2)
     inj = FaultInjector([parse_fault(f"{kind}@2")])
     inj.attach(model)
-    first = next(model.parameters())
     for i, (x, y) in enumerate(inj.wrap_data(_batches(3)), start=1):
         model.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
-        if i == 2:
-            flat = first.grad.view(-1)
+        bad = [p for p in model.parameters() if not bool(torch.isfinite(p.grad).all())]
+        if i == 2:  # (element 0 of one gradient: the first the backward made, review 52f)
+            assert len(bad) == 1
+            flat = bad[0].grad.view(-1)
             assert check(float(flat[0]))
             assert bool(torch.isfinite(flat[1:]).all())
         else:
-            assert bool(torch.isfinite(first.grad).all())
-        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p is not first)
+            assert bad == []
     inj.detach()
-    inj.current_step = 2  # the faulted step again, but the hook is gone
+    inj.current_step = 2  # the faulted step again, but the hooks are gone
     model.zero_grad(set_to_none=True)
     F.mse_loss(model(torch.ones(1, 3)), torch.zeros(1, 2)).backward()
-    assert bool(torch.isfinite(first.grad).all())
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------- end to end through the step
