@@ -347,6 +347,10 @@ class Diagnosis:
     finite (:class:`~ampguard.fp8.BadScale`, ``broken_scale``: a zero amax without torchao's
     floor), in the order they ran: the first is what made the first non-finite value, which the
     trace alone names only as a ``Float8Linear``'s output."""
+    amp_range: bool = False
+    """With ``data/model``: the AMP pass's first non-finite value is finite in the FP32 replay, whose
+    own first non-finite value is elsewhere (:attr:`fp32`): a precision-range value before the
+    data or model problem (review 52f: the verdict named the fp16 overflow's module alone)."""
     overflows_unscaled: bool = False
     """With a backward overflow at a loss scale above 1 that FP32 holds: the replay at a loss scale
     of 1, or at the scaler's floor (:attr:`scale_floor`) if that is higher, overflowed too. Halving the scale does not answer it (the scaler would skip step after
@@ -365,7 +369,8 @@ class Diagnosis:
             'no non-finite value in forward, loss or backward under bf16'
             >>> Diagnosis(Finding("none", precision="bf16", loss=1.872e8), None, "none").message()  # a spike's evidence
             'no non-finite value in forward, loss or backward under bf16 (loss 1.872e+08)'
-            >>> Diagnosis(Finding("backward", "weight", "Linear", "inf", precision="bf16"), Finding("backward"),
+            >>> Diagnosis(Finding("backward", "weight", "Linear", "inf", precision="bf16"),
+            ...           Finding("backward", "weight", "Linear", "inf", precision="fp32"),
             ...           "data/model", injected=["inf_grad@1"]).message()  # (locate --inject: the fault's, said so)
             'first inf under bf16: in backward, the gradient of parameter weight (Linear). FP32 replay is not finite either: the injected inf_grad@1, not a precision problem'
         """
@@ -412,13 +417,22 @@ class Diagnosis:
                 hint += f"; this step carries the injected {', '.join(self.injected)}"
             if not self._backs_off:
                 hint += self._scope_hint()
-        elif self.verdict == "data/model" and self.injected:
-            hint = f"FP32 replay is not finite either: the injected {', '.join(self.injected)}, not a precision problem"
-        elif self.verdict == "data/model" and self.bad_weight:
-            hint = (f"FP32 replay is not finite either: the model's parameter {self.bad_weight} before the step (its "
-                    "weights, not the batch, not a precision problem)")
         elif self.verdict == "data/model":
-            hint = "FP32 replay is not finite either: a data or model problem, not a precision one"
+            # FP32's own first place when it is another (review 52f: an fp16 overflow FP32 holds, then a NaN
+            # FP32 has too, elsewhere: the verdict sent the user to the module FP32 handles fine)
+            other = self.fp32 is not None and self.fp32.where != "none" and _place(self.fp32) != _place(f)
+            either = f"FP32 replay is not finite either, first {self.fp32.place_text()}" if other else \
+                "FP32 replay is not finite either"
+            there = " there" if other else ""
+            if self.injected:
+                hint = f"{either}: the injected {', '.join(self.injected)}, not a precision problem"
+            elif self.bad_weight:
+                hint = (f"{either}: the model's parameter {self.bad_weight} before the step (its weights, not the "
+                        "batch, not a precision problem)")
+            else:
+                hint = f"{either}: a data or model problem{there}, not a precision one"
+            if other and self.amp_range:
+                hint += f"; the {f.precision} {f.kind} named first is finite in FP32: a precision-range problem"
         else:
             hint = ""
         return f"{first}. {hint}".strip()
@@ -490,6 +504,13 @@ class Diagnosis:
                 "overflows_unscaled": self.overflows_unscaled, "message": self.message()}
 
 
+def _place(finding: Finding) -> tuple[Any, ...]:
+    """Where a finding is, apart from its pass (its precision, dtypes, kind and loss): two passes'
+    findings at the same place compare equal."""
+    return (finding.where, finding.name, finding.op.partition(";")[0], finding.call, finding.grad, finding.before,
+            tuple(finding.also), finding.micro_batch)
+
+
 def trace_first_non_finite(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -516,7 +537,10 @@ def trace_first_non_finite(
     ``Sequential`` passes on what it was given). The first input is the first tensor argument, a
     keyword one when none is positional (``self.b(input=t)``), judged as the module is entered (an
     in-place op of the module's own writes over it). (Only the first input counts: a mask of -inf
-    in a later argument is no finding.) Non-finite targets are the finding when the loss is not
+    in a later argument is no finding. A module that writes over an input in place and returns
+    something else, or None, is not named: the code of its caller is, as the one whose next
+    module takes the value; review 52f, left so: kept in FP32 such a module writes into a float32
+    copy, and the scope search would call that a fix.) Non-finite targets are the finding when the loss is not
     finite and they could have made it so (a NaN loss, or an inf in the targets; a loss may mask
     them out, as ``nanmean`` does, and overflow on its own).
 
@@ -593,13 +617,17 @@ def trace_first_non_finite(
         calls.append((module, key, _dtypes(args) or _dtypes(kwargs), born, _dtypes(first), where))
         return flows.read(module, args, kwargs, calls[-2][0] if len(calls) > 1 else None)
 
-    def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def forward_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> torch.Tensor | None:
         # (called after a forward that raised too, output None: a caller that caught it goes on; and
         # without its pre-hook when a hook of the user's before it raised: then nothing of its own)
         if not calls or calls[-1][0] is not module:
-            return
+            return None
+        flows.made(module, _tensors(args) + _tensors(kwargs), _tensors(output), calls[-2][0] if len(calls) > 1 else None)
+        judge(module, output)
+        return flows.passed_on(output)  # (its input passed on as it is: the caller's own tensor, as in the step)
+
+    def judge(module: nn.Module, output: Any) -> None:
         _, key, dtypes, born, first_dtypes, first_where = calls.pop()
-        flows.made(module, _tensors(args) + _tensors(kwargs), _tensors(output), calls[-1][0] if calls else None)
         kind, where = _bad_at(output, known_at.get(f"out:{key}"))
         seen.note(f"out:{key}", where, first=kind is not None and not found and born is None)
         if kind is None or found:
@@ -746,7 +774,7 @@ class _Flows:
                 base = self._place(t, caller)
                 base = base.get("base", base)  # (a container's alias passed on to its child: the tensor's own place)
                 made[id(t)] = view = t.view_as(t)
-                alias_place = self._place(view, caller, base=base)
+                alias_place = self._place(view, caller, base=base, given=weakref.ref(t))
                 alias_place["readers"].append(module)
                 base.setdefault("aliases", []).append(alias_place)  # (kept here: the dict forgets a dead one's key)
             return made[id(t)]
@@ -781,6 +809,18 @@ class _Flows:
                 place["caller"] = caller
             if module is self.root:  # (the model's output: the loss reads it; not a block a recompute calls alone)
                 place["output"] = True
+
+    def passed_on(self, output: Any) -> torch.Tensor | None:
+        """The tensor the caller handed in, when a module returns its own alias of it as it is
+        (``nn.Identity``, an ``if skip: return x``), to hand back instead: the caller's ``g is h``
+        holds as in the step (review 52f: False in the replay, and a model that tests it took
+        another branch there, a non-finite value the run never had); else None."""
+        if not isinstance(output, torch.Tensor) or not self._tracked(output):
+            return None
+        place = self.places.get(self._key(output))  # (its key: id and version, unchanged since it was made)
+        if place is None or place["ref"]() is not output or "given" not in place:
+            return None
+        return place["given"]()
 
     def _base_of(self, t: torch.Tensor) -> dict[str, Any] | None:
         place = self.places.get(self._key(t))
@@ -1404,8 +1444,11 @@ def _diagnose(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], inp
             from .checkpoint import non_finite_weight
 
             bad = "" if amp.where == "input" else non_finite_weight(dict(model.named_parameters()))
+            # (AMP's first value finite in FP32, FP32's first elsewhere: a range problem before it; the
+            # AMP pass re-traced past the masks has no place of its own in amp_seen: not said)
             return Diagnosis(amp, fp32, "data/model", loss_scale, bad_weight=bad, fp8_scales=scales,
-                             scale_floor=scale_floor)
+                             scale_floor=scale_floor, amp_range=amp_seen.first is not None and
+                             amp_seen.first not in fp32_seen.minus_inf and not amp_seen.also_in(fp32_seen))
         unscaled = False
         lowest = 1.0 if scale_floor is None else scale_floor  # (the lowest scale the scaler reaches: its floor,
         # above or below 1 (review 40m: a floor of 0.5 answers what 1 does not); 1 with no scaler: no loss scale)
@@ -1574,7 +1617,6 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         n = config.accumulation_steps
         stream = injector.wrap_data(task.stream((step - 1) * n), first_step=step)  # seeks: no reading up to it
         batches = list(itertools.islice(stream, n))
-        where = f"step {step} of task {task.name} (seed {config.seed}){_injected_at(faults, step)}"
     scaler_on = precision.uses_scaler and config.scaler.enabled is not False  # else no saved scale applies
     loss_scale = _replay_scale(given=scale, batch_file=batch_scale if scaler_on else None,
                                checkpoint=checkpoint_scale if scaler_on else None, init=initial_scale(config, device))
@@ -1589,7 +1631,11 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
             batches = [(to_device(x, device), to_device(y, device)) for x, y in batches]
             result = diagnose_group(model, loss_fn, batches, precision, loss_scale, config.accumulation_steps,
                                     scale_floor=config.scaler.min_scale if scaler_on else None)
-    result.injected = _faults_at(faults, step)[0]
+    # (review 52f: a gradient fault no backward of the replay fired, its step's loss not finite, is not said injected)
+    missed = [] if batch else injector.missed(step)
+    result.injected = [spec for spec in _faults_at(faults, step)[0] if spec not in missed]
+    if not batch:
+        where = f"step {step} of task {task.name} (seed {config.seed}){_injected_at(faults, step, missed)}"
     result.scale_floor = config.scaler.min_scale if scaler_on else None
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
@@ -1600,11 +1646,12 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     return result, where, device, (loss_scale, scale_from), saved_step
 
 
-def _injected_at(faults: list[Any], step: int) -> str:
+def _injected_at(faults: list[Any], step: int, missed: Sequence[str] = ()) -> str:
     """What the header adds for the config's faults: those that fire at ``step``, which the replay
     injects as the run did (a finding there is the fault's), except another rank's (one process
-    replays); and those that fire at other steps only, named too (review 50j: ``--inject
-    nan_input@3`` replayed at step 1 came out clean with no word of the fault).
+    replays) and the ``missed`` ones (gradient faults no backward of the replay fired: its loss was
+    not finite, review 52f); and those that fire at other steps only, named too (review 50j:
+    ``--inject nan_input@3`` replayed at step 1 came out clean with no word of the fault).
 
     Example::
 
@@ -1615,10 +1662,14 @@ def _injected_at(faults: list[Any], step: int) -> str:
         step 1 (nan_input@2, spike@every:2@rank1, nan_loss@3 not: they fire at other steps; --step N replays step N)
         step 2 with nan_input@2 injected (spike@every:2@rank1 not: another rank's; nan_loss@3 not: it fires at other steps)
         step 3 with nan_loss@3 injected (nan_input@2, spike@every:2@rank1 not: they fire at other steps)
+        >>> print(_injected_at([parse_fault("nan_loss@3"), parse_fault("inf_grad@3")], 3, ["inf_grad@3"]))
+         with nan_loss@3 injected (inf_grad@3 not: it did not fire, no backward reached a parameter)
     """
     here, other = _faults_at(faults, step)
+    here = [spec for spec in here if spec not in missed]
     elsewhere = [f.spec() for f in faults if not f.hits(step)]
-    notes = ([f"{', '.join(other)} not: another rank's"] if other else []) + (
+    notes = ([f"{', '.join(missed)} not: {'they' if len(missed) > 1 else 'it'} did not fire, no backward reached a parameter"]
+             if missed else []) + ([f"{', '.join(other)} not: another rank's"] if other else []) + (
         [f"{', '.join(elsewhere)} not: {'they fire' if len(elsewhere) > 1 else 'it fires'} at other steps"
          + ("" if here or other else "; --step N replays step N")] if elsewhere else [])
     said = f" with {', '.join(here)} injected" if here else ""
