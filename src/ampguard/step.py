@@ -327,7 +327,22 @@ def _adopt_scaler(scaler: Any, precision: Precision) -> GuardedGradScaler:
     if scaler._device != precision.device_type:  # (on a machine without CUDA, torch turns it off silently)
         raise ValueError(f"the scaler is for {scaler._device}, the model on {precision.device_type}: make it "
                          f"GradScaler({precision.device_type!r}, ...)")
-    return scaler if isinstance(scaler, GuardedGradScaler) else GuardedGradScaler.from_scaler(scaler)
+    if isinstance(scaler, GuardedGradScaler):
+        return scaler
+    # review 52g: a subclass's own update (a scale cap), step or unscale_ never ran once its state went to
+    # the guard's GuardedGradScaler, and nothing said so: its scale grew past the cap
+    overridden = [name for name in _SCALER_BEHAVIOUR
+                  if getattr(type(scaler), name) is not getattr(torch.amp.GradScaler, name)]
+    if overridden:
+        raise ValueError(f"scaler=: {type(scaler).__name__} overrides GradScaler's "
+                         f"{', '.join(name + '()' for name in overridden)}; the guard steps with a GuardedGradScaler "
+                         "made from its settings and state, so that code would not run: subclass "
+                         "ampguard.GuardedGradScaler instead")
+    return GuardedGradScaler.from_scaler(scaler)
+
+
+_SCALER_BEHAVIOUR = ("scale", "unscale_", "_unscale_grads_", "step", "_maybe_opt_step", "update")
+"""The ``GradScaler`` methods whose override a scaler handed to a guard would lose (:func:`_adopt_scaler`)."""
 
 
 def _check_left_out(root: nn.Module, holder: dict[int, str], frozen: str) -> None:
