@@ -1649,7 +1649,7 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     if not config.rollback.triggers:
         lines += under("rollback.", "rollback.triggers is empty (no rollback)", switch="triggers")
     if not config.eval.enabled:
-        lines += under("eval.every", "eval.enabled is false")
+        lines += under(("eval.every", "eval.batches"), "eval.enabled is false")
     mon = config.monitor
     collapse = mon.fail_on_scale_collapse and not no_scaler
     if mon.fail_rate is None and not collapse:  # (the CLI's --fail-after is refused so)

@@ -98,3 +98,16 @@ def test_a_batches_from_that_reads_datas_own_loader_starts_where_data_does(tmp_p
     run = [next(stream)[0] for _ in range(6)]  # (two passes of four: the second reshuffled)
     for start in (0, 3, 5, 3):  # (a resume, a rollback, another: each from the factory's state)
         assert torch.equal(next(iter(task.stream(start)))[0], run[start]), start
+
+
+def test_eval_settings_a_task_does_not_read_are_said(tmp_path):
+    # review 52h: eval.batches (charlm's) on another task, eval.every on a factory with no evaluate,
+    # were ignored unsaid; the README says a setting given and not read is said
+    from helpers import caught_warnings as said_by
+
+    path = write(tmp_path / "f52.py", FACTORIES)
+    assert said_by(lambda: build_task(load_config(None, ["task.name=digits", "eval.batches=3"]))) == [
+        "task digits does not read eval.batches (charlm's number of held-out batches): ignored"]
+    assert said_by(lambda: build_task(load_config(None, [f"task.factory={path}:seeded_loader", "eval.every=5"]))) == [
+        "task factory does not read eval.every (it has no held-out evaluation: no evaluate): ignored"]
+    assert said_by(lambda: build_task(load_config(None, ["task.name=linear", "eval.every=5"]))) == []  # (read)
