@@ -995,6 +995,21 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
     sizes, live_sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in live]
     if sizes != live_sizes:
         raise refuse(f"parameter groups of {sizes} in the checkpoint, {live_sizes} here")
+    # review 52a: Optimizer.load_state_dict maps the saved ids by position and drops a state entry no id
+    # names: a group naming an id twice, or a state entry of no group's parameter, left a parameter's
+    # AdamW moments behind, its update restarted from nothing, unsaid
+    ids = [pid for group in groups for pid in group["params"]]
+    odd = [pid for pid in ids if not isinstance(pid, (int, str)) or isinstance(pid, bool)]
+    if odd:
+        raise refuse(f"a parameter id is {_show(odd[0])}")
+    seen: set[Any] = set()
+    twice = next((pid for pid in ids if pid in seen or seen.add(pid)), None)
+    if twice is not None:
+        raise refuse(f"parameter {twice!r} is named twice in its parameter groups")
+    orphan = next((key for key in saved["state"] if key not in seen), None)
+    if orphan is not None:
+        raise refuse(f"the state of parameter {orphan!r} belongs to no parameter group (its groups name "
+                     f"{_listed_ids(ids)})")
     moments: list[tuple[str, Any, torch.Tensor]] = []  # (name, parameter id, tensor): their finiteness read at once
     for i, (group, live_group) in enumerate(zip(groups, live)):
         # the group's settings replace the live group's (Optimizer.load_state_dict), and the step
@@ -1048,6 +1063,17 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
         name, pid, _ = next(m for m in moments if not bool(torch.isfinite(m[2]).all()))
         raise refuse(f"{name} of parameter {pid!r} holds a non-finite value (saved after the optimizer's state "
                      "diverged, or damaged: resume from an earlier checkpoint)")
+
+
+def _listed_ids(ids: list[Any]) -> str:
+    """A checkpoint's parameter ids in a few words: the first ones, and how many.
+
+    Example::
+
+        >>> _listed_ids([0, 1]), _listed_ids(list(range(40)))
+        ('0, 1', '0, 1, 2, 3, 4, ... (40 in all)')
+    """
+    return ", ".join(map(repr, ids[:5])) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
 
 
 def _state_kinds(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], live_group: Mapping[str, Any]
