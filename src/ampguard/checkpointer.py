@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,12 @@ DATA_ID = ckpt.DATA_ID
 """Payload key (meta): what identifies the task's data when the machine provides it
 (:attr:`ampguard.tasks.Task.data_id`: charlm's corpus is the running Python's standard library); a
 resume on other data is refused (:func:`ampguard.checkpoint.other_data`)."""
+DATA_NEXT = "data_next"
+"""Payload key (meta): a hash of the task's next global batch at the checkpoint's data position
+(:meth:`ampguard.data.DataStream.digest`), for a task whose stream seeks cheaply (``batches_from``:
+the built-in tasks'). A resume whose stream gives another batch there is refused
+(:func:`check_data_next`; review 52a: a folder of an older ampguard resumed on other batches, its
+built-in task's sampling changed since, unsaid)."""
 AUTOCAST_DTYPE_CHANGES = "autocast_dtype_changes"
 """Payload key (meta): the autocast dtype changes said on resume so far (run card lines); a later
 resume carries them on to its card, as :data:`POLICY` does the settings'."""
@@ -860,6 +867,7 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     (CONFIG, True, lambda v: isinstance(v, dict) and is_plain(v), "a mapping of plain data"),
     (PRECISION, False, lambda v: isinstance(v, str), "a str"),
     (TORCH_VERSION, False, lambda v: isinstance(v, str), "a str"),
+    (DATA_NEXT, False, lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None, "64 hex digits"),
     (RUN_ID, False, lambda v: isinstance(v, str) and RUN_ID_PATTERN.fullmatch(v) is not None, "32 hex digits"),
     (MODEL, True, _tensor_map, "a mapping of parameter names to tensors"),
     (OPTIMIZER, True, _optimizer_state, "an optimizer state (a mapping with state and param_groups)"),
@@ -1063,6 +1071,25 @@ def _check_optimizer(path: Path, saved: Any, optimizer: torch.optim.Optimizer) -
         name, pid, _ = next(m for m in moments if not bool(torch.isfinite(m[2]).all()))
         raise refuse(f"{name} of parameter {pid!r} holds a non-finite value (saved after the optimizer's state "
                      "diverged, or damaged: resume from an earlier checkpoint)")
+
+
+def check_data_next(loaded: Loaded, data: Any) -> None:
+    """Refuse (one :class:`InputError` line) a resume whose data stream, seeked to the checkpoint's
+    position, gives another next batch than the one the run saved (:data:`DATA_NEXT`): the task
+    draws its batches otherwise now (another ampguard's built-in task, a factory's data or
+    ``batches_from`` changed), and the resume would train on other batches than the run, unsaid.
+    Nothing to compare in a checkpoint without one (an older ampguard's, a factory's stream with
+    no ``batches_from``: reading it to its position at each save would cost a pass) or for a
+    stream that seeks by reading (``data.task.batches_from`` None)."""
+    saved = loaded.payload.get(DATA_NEXT)
+    if saved is None or data.task.batches_from is None:
+        return
+    if data.digest() != saved:
+        raise InputError(f"{loaded.path}: the data's batch at its position (micro-batch {data.position}, counted from "
+                         "0) is not the one the run saved it before: the task draws its batches otherwise now "
+                         "(another ampguard's built-in task, or a factory's data or batches_from changed), and a "
+                         "resume would train on other batches than the run; resume with what wrote it, or start a "
+                         "new run")
 
 
 def _listed_ids(ids: list[Any]) -> str:

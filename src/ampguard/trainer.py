@@ -221,6 +221,7 @@ class Trainer:
                 self.checkpointer.check_fits(resume.loaded)
                 self._check_logs(RunPaths.existing(resume.run_dir), resume.loaded.step)
                 self.checkpointer.restore(resume.loaded)  # (each rank its own RNG state: one may not load)
+                ck.check_data_next(resume.loaded, self.data)  # (the stream now seeked to the checkpoint's position)
             except InputError as err:
                 problem = str(err)
             problem = distributed.first_error(problem)  # every rank refuses, with the first rank's line
@@ -333,6 +334,7 @@ class Trainer:
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {}),
                         **({ck.DATA_ID: self.task.data_id} if self.task.data_id else {}),
+                        **({ck.DATA_NEXT: self.data.digest()} if self.task.batches_from is not None else {}),
                         **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {}),
                         **({ck.AUTOCAST_DTYPE_CHANGES: list(self.dtype_lines)} if self.dtype_lines else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too

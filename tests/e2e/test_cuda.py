@@ -221,7 +221,7 @@ def _trainer(tmp_path, **settings):
 
     config = validate({"task": {"name": "linear"}, "steps": 12, "device": "cuda",
                        "log": {"dir": str(tmp_path), "name": "a"}, **settings})
-    return Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=0, stats_every=None,
+    return Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=1, stats_every=None,
                    print_fn=lambda line: None, progress=False, resume=None)
 
 

@@ -78,7 +78,7 @@ def test_fast_run_makes_the_exact_runs_decisions(tmp_path, precision):
 def test_the_fast_step_reads_nothing_on_the_host(tmp_path):
     config = validate({"task": {"name": "linear"}, "steps": 6, "precision": "bf16", "device": "cpu", "fast": True,
                        "log": {"dir": str(tmp_path), "name": "a"}})
-    trainer = Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=0, stats_every=None,
+    trainer = Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=1, stats_every=None,
                       print_fn=lambda line: None, progress=False, resume=None)
     trainer._open()
     with trainer.watching():  # the first step learns backward's order (diagnose.grad_norms)

@@ -1,0 +1,59 @@
+"""Review 52a: a resume whose task now draws other batches at the checkpoint's position (an older
+ampguard's built-in task whose sampling changed since; a factory whose data changed) went on
+from the checkpoint on other batches than the run, unsaid. A checkpoint keeps a hash of the next
+batch where the stream seeks cheaply (``batches_from``), and a resume compares it."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import one_error_line
+
+from ampguard.checkpointer import DATA_NEXT
+
+FACTORY = '''
+import torch
+from torch import nn
+
+SEED = {seed}
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(SEED * 1000 + i)
+    return torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+
+
+def build(config):
+    def data():
+        for i in range(8):
+            yield batch(i)
+
+    def batches_from(start):
+        i = start
+        while True:
+            yield batch(i % 8)
+            i += 1
+
+    return {{"model": nn.Linear(4, 1), "data": data, "loss_fn": nn.functional.mse_loss, "batches_from": batches_from}}
+'''
+
+
+def test_a_resume_whose_data_now_draws_other_batches_at_its_position_is_refused(cli, tmp_path):
+    factory = tmp_path / "f.py"
+    factory.write_text(FACTORY.format(seed=1), encoding="utf-8")
+    run = ["--set", f"task.factory={factory}:build", "--set", "device=cpu", "--set", "precision=fp32",
+           "--set", "steps=4", "--set", "checkpoint.every=2", "--set", "log.name=r", "--set", "log.plot=false"]
+    code, out, err = cli("train", *run)
+    assert code == 0, err
+    checkpoint = tmp_path / "runs" / "r" / "checkpoints" / "step-00000002.pt"
+    assert len(torch.load(checkpoint, weights_only=True)[DATA_NEXT]) == 64
+    code, out, err = cli("train", "--resume", str(checkpoint))  # (the same data: it resumes)
+    assert code == 0, err
+    csv_before = (tmp_path / "runs" / "r" / "steps.csv").read_bytes()
+    factory.write_text(FACTORY.format(seed=2), encoding="utf-8")  # (the data changed since)
+    line = one_error_line(cli("train", "--resume", str(checkpoint)))
+    assert line == (f"ampguard: error: {checkpoint}: the data's batch at its position (micro-batch 2, counted from 0) "
+                    "is not the one the run saved it before: the task draws its batches otherwise now (another "
+                    "ampguard's built-in task, or a factory's data or batches_from changed), and a resume would train "
+                    "on other batches than the run; resume with what wrote it, or start a new run"), line
+    assert (tmp_path / "runs" / "r" / "steps.csv").read_bytes() == csv_before  # (nothing cut)
