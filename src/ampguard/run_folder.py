@@ -43,6 +43,10 @@ LOCK_FILE = ".ampguard.lock"
 """Held (``flock``) by the process that trains in a run folder, with its pid in it; the kernel
 lets go of it when that process ends, however it ends."""
 
+LOCK_PATIENCE_S = 0.15
+"""How long :meth:`RunPaths.lock` tries again before it refuses: a reader's look at the lock
+(:meth:`RunPaths.writer`) holds it shared for microseconds, a run that trains for its whole run."""
+
 
 def taken(run_dir: Path) -> InputError:
     """The refusal of a new run in a folder that exists (a run's folder is its own)."""
@@ -179,6 +183,7 @@ class RunPaths:
         checkpoints aside while it goes on writing them: rows lost, silently). The lock is the
         kernel's (``flock`` on :data:`LOCK_FILE`), so a process that dies, even by SIGKILL,
         leaves none behind; a file system that has no locks (some network mounts) goes unlocked.
+        A reader's look at the lock (:meth:`writer`) is waited out (:data:`LOCK_PATIENCE_S`).
         :meth:`unlock` lets go. Nothing for a run with no folder (a demo).
 
         Example::
@@ -207,15 +212,23 @@ class RunPaths:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise InputError(f"{path} is not a regular file; remove it (ampguard keeps its lock there)")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _pid_in(fd)
-            os.close(fd)
-            raise self._busy(pid) from None
-        except OSError:  # no locks on this file system: unlocked, as before
-            os.close(fd)
-            return
+        # a reader's look (writer(): report, compare) holds a shared lock for microseconds: tried again for a
+        # moment before the refusal (review 52c: a resume beside a polling report was refused, naming a dead pid)
+        patience = time.monotonic() + LOCK_PATIENCE_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() < patience:
+                    time.sleep(0.005)
+                    continue
+                pid = _pid_in(fd)
+                os.close(fd)
+                raise self._busy(pid) from None
+            except OSError:  # no locks on this file system: unlocked, as before
+                os.close(fd)
+                return
+            break
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode("ascii"))

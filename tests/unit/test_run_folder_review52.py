@@ -1,0 +1,54 @@
+"""Review 52c: a reader's look at the run folder's lock (``RunPaths.writer``, what ``report`` and
+``compare`` ask) holds a shared lock for a moment; a resume's ``RunPaths.lock`` that landed in that
+moment was refused as "being written by another process", naming the pid of a run killed long
+before. A real reader process polls while the folder is locked and let go again and again."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from ampguard.errors import InputError
+from ampguard.run_folder import LOCK_FILE, RunPaths
+
+
+def _poll(folder, ready, stop) -> None:
+    paths = RunPaths.existing(folder)
+    ready.set()
+    while not stop.is_set():
+        paths.writer()
+
+
+def test_a_reader_polling_the_lock_never_refuses_a_resume(tmp_path):
+    (tmp_path / LOCK_FILE).write_text("12345\n")  # (left by a run killed earlier)
+    context = multiprocessing.get_context("fork")
+    ready, stop = context.Event(), context.Event()
+    reader = context.Process(target=_poll, args=(tmp_path, ready, stop), daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(30)
+        refused = []
+        for _ in range(1500):
+            paths = RunPaths.existing(tmp_path)
+            try:
+                paths.lock()
+            except InputError as err:
+                refused.append(str(err))
+                continue
+            paths.unlock()
+            (tmp_path / LOCK_FILE).write_text("12345\n")
+    finally:
+        stop.set()
+        reader.join(30)
+    assert refused == []
+
+
+def test_a_process_that_holds_the_lock_is_still_refused(tmp_path):
+    holder = RunPaths.existing(tmp_path)
+    holder.lock()
+    try:
+        with pytest.raises(InputError, match="is being written by another process"):
+            RunPaths.existing(tmp_path).lock()
+    finally:
+        holder.unlock()
