@@ -144,6 +144,29 @@ def is_temporary(name: str) -> bool:
     return re.fullmatch(r"\..+\.tmp(-\d+(-[0-9a-f]+)?)?", name) is not None
 
 
+def left_by_an_ended_process(name: str) -> bool:
+    """Whether the temporary file ``name`` (:func:`is_temporary`) was left by a process that runs no
+    more: the pid its name holds names none (a ``report`` or ``train`` killed in a write; review
+    52c: nothing took such a file out of the run folder). A name with no pid, or the pid of a
+    process that runs (another ``report`` drawing now; one of another user's), is not: kept.
+
+    Example::
+
+        >>> left_by_an_ended_process(f".report.png.tmp-{os.getpid()}-00ff"), left_by_an_ended_process(".run-id.tmp")
+        (False, False)
+    """
+    found = re.fullmatch(r"\..+\.tmp-(\d+)(-[0-9a-f]+)?", name)
+    if found is None:
+        return False
+    try:
+        os.kill(int(found[1]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError, ValueError):  # (another user's process: EPERM; no such pid can be)
+        return False
+    return False
+
+
 def remove_temporaries(folder: str | os.PathLike, keep_pid: int | None = None,
                        only: Callable[[str], object] = is_temporary) -> list[Path]:
     """Delete the temporary files (:func:`is_temporary`, or what ``only`` accepts of their names)

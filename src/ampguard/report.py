@@ -21,7 +21,7 @@ from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number,
                      whole_number)
-from .files import replace_atomically, temporary_beside
+from .files import left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
 from .monitor import AT_THE_END, THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
@@ -921,6 +921,11 @@ def plot_run(
         raise InputError(f"{csv_path}: cannot be plotted ({first_line(err, with_type=True)})") from None
     finally:
         plt.close(fig)
+    # a partial plot a report killed in its draw left (SIGKILL, the OOM killer) goes; a live one's stays
+    # (review 52c: nothing ever took it out of the run folder)
+    with contextlib.suppress(OSError):  # (only space: never the plot's failure)
+        remove_temporaries(png_path.parent, only=lambda name: name.startswith(f".{png_path.name}.tmp-")
+                           and left_by_an_ended_process(name))
     return png_path
 
 

@@ -46,7 +46,7 @@ from .schedule import WarmupPastTheRun
 from .signals import (
     STUCK_AFTER_S, Interrupted, StopFlag, Watched, held_signals, leave_now, opening, stop_on_signals, watch_stuck,
 )
-from .files import DiskFull, disk_full_error, remove_temporaries, writing
+from .files import DiskFull, disk_full_error, left_by_an_ended_process, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
 from .tasks import Task, build_task
@@ -717,6 +717,9 @@ class Trainer:
             self.checkpointer.remove_partial()  # saves that a kill cut short: none of them is this run's
             if self.paths.dir is not None:  # (rank 0's folder) an evidence checkpoint's copy a kill cut
                 remove_temporaries(self.paths.dir / "rollback")  # short: a hard link to a pruned one holds its disk
+                # and the card, config or plot a killed run or report left half-written in the folder itself (review
+                # 52c: never taken out); a live process's (a report drawing now) stays
+                remove_temporaries(self.paths.dir, only=left_by_an_ended_process)
             set_aside = self.checkpointer.set_aside_after(self.state.steps)
             unreadable = self.resume.unreadable  # (passed over by --resume RUN_DIR: say why, not only that)
             note = "; newer checkpoints set aside: " + ", ".join(
