@@ -319,6 +319,7 @@ def test_a_policy_change_whose_value_is_not_the_settings_kind_is_passed_over(cli
     ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "log.name=R", "--set", "log.plot=false"))
     run = tmp_path / "runs" / "R"
     before = ok(cli("report", run, "--no-plot"))  # (the summary is the point)
+    deep = len((run / "events.jsonl").read_text(encoding="utf-8").splitlines()) + 5  # (the line nested too deep)
     with (run / "events.jsonl").open("a", encoding="utf-8") as f:
         f.write('{"step": 1, "event": "policy_change", "key": "max_norm", "old": 1.0, "new": "2.0"}\n')
         f.write('{"step": 1, "event": "policy_change", "key": "monitor.fail_after", "old": 100, "new": [1]}\n')
@@ -328,7 +329,10 @@ def test_a_policy_change_whose_value_is_not_the_settings_kind_is_passed_over(cli
         f.write('{"step": 1, "event": "policy_change", "key": "monitor.fail_after", "old": 100, "new": 0}\n')
         f.write('{"step": 1, "event": "policy_change", "key": "monitor.alert_rate", "old": 0.05, "new": 7}\n')
         f.write('{"step": 1, "x": ' + "[" * 5000 + "]" * 5000 + "}\n")
-    assert ok(cli("report", run, "--no-plot")) == before
+    # (review 52c: a line that does not read is said, once; those of the wrong kind are passed over unsaid)
+    assert ok(cli("report", run, "--no-plot")) == (
+        f"note: {run / 'events.jsonl'} has 1 unreadable line (line {deep}): the rollbacks, resumes and policy changes "
+        f"it held are not replayed\n{before}")
     ok(cli("train", *LINEAR, "--set", "steps=3", "--set", "log.name=S", "--set", "log.plot=false"))
     ok(cli("compare", run, tmp_path / "runs" / "S", "--out", tmp_path / "both.png"))
 

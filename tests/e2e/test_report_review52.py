@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
 from helpers import ag, ok, train
 
-from ampguard import report
+from ampguard import compare, report
+
+
+def _notes(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("note: ")]
 
 
 def _dead_pid() -> int:
@@ -19,6 +25,44 @@ def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+# ---------------------------------------------------------------------------- finding 1
+
+
+def test_a_damaged_line_inside_events_jsonl_is_said_once_in_report_and_compare(tmp_path):
+    ok(train(tmp_path, "run", "--set", "task.name=linear", "--set", "steps=10", "--set", "checkpoint.every=5",
+             "--set", "log.plot=false"))
+    run = tmp_path / "run"
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "steps=12"))
+    log = run / "events.jsonl"
+    lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if '"event": "resume"' in line)
+    lines[at] = lines[at][:20] + "\x00" + lines[at][21:]  # (one byte of the resume's line flipped)
+    log.write_text("".join(lines), encoding="utf-8")
+    said = (f"note: {log} has 1 unreadable line (line {at + 1}): the rollbacks, resumes and policy changes it "
+            "held are not replayed")
+    out = ok(ag("report", run, "--no-plot"))
+    assert _notes(out) == [said], out
+    assert compare.load_run(run).notes == [said.removeprefix("note: ")]
+
+
+def test_a_torn_last_line_of_events_jsonl_is_no_damage(tmp_path):
+    ok(train(tmp_path, "run", "--set", "task.name=linear", "--set", "steps=6", "--set", "log.plot=false"))
+    run = tmp_path / "run"
+    with (run / "events.jsonl").open("a", encoding="utf-8") as f:
+        f.write('{"step": 6, "event": "sto')  # (a write a kill cut short: no newline)
+    assert _notes(ok(ag("report", run, "--no-plot"))) == []
+
+
+def test_damaged_lines_are_counted_and_the_first_named(tmp_path):
+    (tmp_path / "events.jsonl").write_text('{"step": 1, "event": "run_start"}\nnot json\n\n["a list"]\n'
+                                           '{"step": 2, "event": "run_end", "message": "finish', encoding="utf-8")
+    log = report.LoggedEvents(tmp_path)
+    assert [e["step"] for e in log.events()] == [1] and log.unreadable() == [2, 4]  # (a blank line holds nothing)
+    note = [n for n in report.reading_notes(Path("steps.csv"), [], [], log) if "unreadable" in n]
+    assert note == [f"{tmp_path / 'events.jsonl'} has 2 unreadable lines (the first at line 2): the rollbacks, "
+                    "resumes and policy changes they held are not replayed"]
 
 
 # ---------------------------------------------------------------------------- finding 5
