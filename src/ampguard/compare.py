@@ -29,8 +29,8 @@ from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (LoggedEvents, _linear_y, check_plot_path, dots, drawn_by_ampguard, finite_points, judged_at_end,
-                     panel_title, plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
+from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at, finite_points,
+                     judged_at_end, panel_title, plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
                      rolling_skip_rate, scale_restarts, segment_ends, shown, threshold_by_step, threshold_line,
                      threshold_text, whole_steps)
 from .run_folder import RunPaths
@@ -115,10 +115,13 @@ def load_run(path: str | Path) -> RunSummary:
     log = LoggedEvents(folder)  # (read once: one history for the replay and its notes)
     policy, rollbacks = policy_changes_of(log), rollbacks_of(log)
     held = read_held_out(folder / "steps.csv", rows, extra)  # (once: the replay's metrics and the notes')
+    # rows that stop before the step the run ended at, judged whole there, are not its end (review 52c): said
+    end = ended_at(folder / "RUN.md", log) if judged_at_end(ended) else None
+    whole = judged_at_end(ended) and not cut_short(rows, torn, end)
     monitor = replay(rows, build_monitor(config, scaler_enabled=scaler_on), policy=policy,
-                     rollbacks=rollbacks, metrics=held.metrics, finished=judged_at_end(ended), ends=segment_ends(log),
+                     rollbacks=rollbacks, metrics=held.metrics, finished=whole, ends=segment_ends(log),
                      scales=scale_restarts(log, rows, config.scaler.init_scale) if scaler_on else None)
-    notes = reading_notes(folder / "steps.csv", rows, torn, log, extra, config, policy, held=held)
+    notes = reading_notes(folder / "steps.csv", rows, torn, log, extra, config, policy, held=held, ended=end)
     return RunSummary(shown(folder.name), folder, config, rows, monitor, ended, notes, card, policy, rollbacks)
 
 

@@ -142,11 +142,13 @@ def read_held_out(csv_path: str | Path, rows: Sequence[Row], extra: Sequence[Map
 def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Path | LoggedEvents | None = None,
                   extra: Sequence[Mapping[str, str]] = (), config: Config | None = None,
                   policy: Sequence[dict[str, Any]] = (), unobserved: int = 0,
-                  held: HeldOut | None = None) -> list[str]:
+                  held: HeldOut | None = None, ended: tuple[int, str] | None = None) -> list[str]:
     """What reading ``csv_path`` left out or found missing, a note each: its last line ``torn`` (a
     write cut short), the steps with no row before its last (a line deleted by hand, a CSV a
     loop began at a later step; not the ``unobserved`` ones, :func:`unobserved_of`: said apart): the figures count the rows there are; with the run's ``config``,
-    rows past its ``steps`` (rows the run did not write, added by hand); values a run can hold
+    rows past its ``steps`` (rows the run did not write, added by hand); rows missing at the end of a
+    run that ``ended`` judged whole at a later step (:func:`ended_at`: the step, and what says so);
+    values a run can hold
     but no guard writes (:func:`value_notes`, with the rows' ``extra`` cells and, with ``config``,
     the ``max_norm`` each step ran under, as ``policy`` changed it); and, for the ``run_dir`` it
     belongs to, a missing ``events.jsonl`` (the replay then knows of no policy change and no
@@ -161,6 +163,8 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         steps.csv has no row for 4 of its steps (3, 6-8): its figures are of the 5 rows it has (a rate over the run's steps counts the missing ones as neither skipped nor clipped)
         >>> reading_notes(Path("steps.csv"), rows[2:4], [], unobserved=3)  # (a Trainer's resume: 1-3 not observed)
         []
+        >>> reading_notes(Path("steps.csv"), rows[:2], [], ended=(30, "its card"))
+        ['steps.csv ends at step 2, the run ended at step 30 (its card): steps 3-30 have no row']
     """
     notes = [f"the last line of {csv_path} is torn (no newline: a write cut short), left out: {torn[0][:40]!r}"
              ] if torn else []
@@ -175,6 +179,11 @@ def reading_notes(csv_path: Path, rows: list[Row], torn: list[str], run_dir: Pat
         notes.append(f"{csv_path} has no row for {missing} of its steps ({said}): its figures are of the "
                      f"{counted(len(rows), 'row')} it has (a rate over the run's steps counts the missing ones as "
                      "neither skipped nor clipped)")
+    if cut_short(rows, torn, ended):  # (review 52c: a CSV cut at its end was unsaid)
+        tail = f"step {ended[0]} has" if rows[-1].step + 1 == ended[0] else \
+            f"steps {rows[-1].step + 1}-{ended[0]} have"
+        notes.append(f"{csv_path} ends at step {rows[-1].step}, the run ended at step {ended[0]} ({ended[1]}): "
+                     f"{tail} no row")
     steps, max_norms = (None, None) if config is None else (
         config.steps, threshold_by_step([r.step for r in rows], "max_norm", config.max_norm, policy))
     past = [row.step for row in rows if steps is not None and row.step > steps]
@@ -755,6 +764,60 @@ def judged_at_end(ended: str) -> bool:
     return ended.startswith(("finished: ", f"stopped by the guard {AT_THE_END}", f"stopped by a guard {AT_THE_END}"))
 
 
+_ENDED_STEP = re.compile(rf"finished: (\d+) steps?\b|stopped by (?:the|a) guard {re.escape(AT_THE_END)}(\d+)\)")
+"""The step in the words of a run's end judged whole there (:func:`judged_at_end`)."""
+
+
+def ended_at(card: Path, events: LoggedEvents | None = None) -> tuple[int, str] | None:
+    """The step a run judged whole at its end (:func:`finished`) ended at, and what says so: its
+    card's words (``finished: 30 steps``), or, where the card cannot say, its last ``run_end``
+    event; None for a run that did not end so, or whose end names no step. Rows that stop before
+    it are not the run's end (review 52c: a steps.csv cut short was judged whole at its last row,
+    unsaid).
+
+    Example::
+
+        >>> import json, tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     card = Path(d) / "RUN.md"
+        ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n")
+        ...     done = ended_at(card)
+        ...     _ = card.write_text("# Run a\\n\\n**interrupted (SIGINT) after step 7**\\n")
+        ...     stopped = ended_at(card)
+        ...     card.unlink()
+        ...     _ = (Path(d) / "events.jsonl").write_text(json.dumps(
+        ...         {"step": 20, "event": "run_end", "message": "stopped by the guard at the end of the run (step 20): x"})
+        ...         + "\\n")
+        ...     done, stopped, ended_at(card)
+        ((20, 'its card'), None, (20, 'its run_end event'))
+    """
+    try:
+        ended = trainer_card_ended(card, errors="replace")
+    except OSError:
+        ended = "unknown"
+    if ended != "unknown":
+        found = _ENDED_STEP.match(ended) if judged_at_end(ended) else None
+        return (int(found[1] or found[2]), "its card") if found else None
+    ends = _events_kept(events or card.parent, lambda event: event.get("event") == "run_end")
+    return (ends[-1]["step"], "its run_end event") if ends and judged_at_end(str(ends[-1].get("message", ""))) \
+        else None
+
+
+def cut_short(rows: Sequence[Row], torn: Sequence[str], ended: tuple[int, str] | None) -> bool:
+    """Whether a CSV's ``rows`` stop before the step its run ``ended`` at, judged whole there
+    (:func:`ended_at`): rows missing at its end (a partial copy, ``head``), so the replay does not
+    judge them as the run's end. Not so when the one row missing is the last, ``torn`` (its write
+    cut short: review 33e, the run's end still judged on the rows before it, as its card was).
+
+    Example::
+
+        >>> rows = [Row(s, 0.1, 2.0, 1.0, 0.5, False, "", 1.0) for s in (1, 2)]
+        >>> cut_short(rows, [], (30, "its card")), cut_short(rows, ["3,0.1"], (3, "its card")), cut_short(rows, [], None)
+        (True, False, False)
+    """
+    return bool(rows) and ended is not None and rows[-1].step + (1 if torn else 0) < ended[0]
+
+
 def segment_ends(run_dir: Path | LoggedEvents) -> list[int]:
     """The steps where a resumed run's earlier part ended judged whole (:func:`judged_at_end`,
     its ``run_end`` at the step a resume went on from): the run's monitor judged it there, and
@@ -779,7 +842,9 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
     ``finished`` (a run that trained to the end: :func:`finished`): its rows are judged whole at
     the last, as the run was (:meth:`~ampguard.monitor.RunMonitor.at_end`); rows a torn last line
     or a hand left out are not in that judgement (the reading notes say they are missing; before,
-    such a run lost its end's ALERT in report and compare, while its card counted it). ``ends``
+    such a run lost its end's ALERT in report and compare, while its card counted it); rows that
+    stop before the run's end (:func:`cut_short`) are not judged so at all: ``report`` and
+    ``compare`` pass ``finished`` False for them. ``ends``
     (:func:`segment_ends`): the steps where an earlier part of a resumed run was so judged.
     ``scales`` (:func:`scale_restarts`): the loss scale a step ran with where the step before did
     not leave it (step 1's, a rollback's, a resume's new ``init_scale``), as the run's trainer told
@@ -1765,9 +1830,19 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if not config_path.is_file() and len(metrics) > 1:  # (a user's CsvSink(extra_columns=...): a column on every
         every = set.intersection(*(set(m) for m in metrics))  # row is a per-step value, epoch or tokens_seen; a
         metrics = [{k: v for k, v in m.items() if k not in every} for m in metrics]  # held-out metric is sparse)
+    # a run judged whole at a later step than its CSV's last row (a copy cut short, `head`): not judged at that row
+    # (review 52c: "finished: 30 steps" beside the figures of 10, and the end's judgement made on them), said
+    ended = ended_at(folder.card, log)
+    whole = finished(folder.card, log) and not cut_short(rows, torn, ended)
+    # a bare CSV (a demo's, a CsvSink's): nothing says how its run ended, so the rows are not judged at its end
+    # (review 52c: the demo's ALERT at its end was missing from report's count, unsaid)
+    unjudged = None if folder.card.exists() or config_path.is_file() or \
+        log.kept(lambda event: event.get("event") == "run_end") else (
+            f"{csv_path} has no run card or run_end event beside it: its rows are not judged as a finished run's (an "
+            "ALERT a short run raises at its end is not counted)")
     monitor = replay(judged_rows, monitor, policy=policy,
                      rollbacks=rollbacks_of(log) if config_path.is_file() else (),
-                     finished=finished(folder.card, log), metrics=metrics,
+                     finished=whole, metrics=metrics,
                      ends=segment_ends(log) if config_path.is_file() else (),
                      scales=scale_restarts(log, rows, init_scale) if config_path.is_file() and scaler_on
                      else None)
@@ -1782,9 +1857,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=log if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
     run_dir = log if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
-    for note in [defaults] * (defaults is not None) + reading_notes(csv_path, rows, torn, run_dir, extra,
-                                                                   config if run_dir else None, policy, unseen,
-                                                                   held):
+    for note in [n for n in (defaults, unjudged) if n is not None] + reading_notes(
+            csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy, unseen, held, ended):
         print(f"note: {note}")
     if unseen:
         aside = len(rows) - len(judged_rows)

@@ -20,6 +20,10 @@ def _notes(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("note: ")]
 
 
+def _report_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("max rolling skip rate"))
+
+
 def _dead_pid() -> int:
     """The pid of a process that has ended (a killed report's, a killed train's)."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -63,6 +67,69 @@ def test_damaged_lines_are_counted_and_the_first_named(tmp_path):
     note = [n for n in report.reading_notes(Path("steps.csv"), [], [], log) if "unreadable" in n]
     assert note == [f"{tmp_path / 'events.jsonl'} has 2 unreadable lines (the first at line 2): the rollbacks, "
                     "resumes and policy changes they held are not replayed"]
+
+
+# ---------------------------------------------------------------------------- finding 2
+
+
+def _finished_run(tmp_path: Path) -> Path:
+    # 3 skips in 30 steps: the rolling ALERT never arms (min_steps 100); the judgement at the end raises it
+    ok(train(tmp_path, "run", "--set", "task.name=linear", "--set", "steps=30", "--set", "log.plot=false",
+             "--inject", "inf_grad@1,2,3"))
+    return tmp_path / "run"
+
+
+def _keep_rows(run: Path, rows: int, torn: str = "") -> None:
+    csv = run / "steps.csv"
+    lines = csv.read_text(encoding="utf-8").splitlines(keepends=True)
+    csv.write_text("".join(lines[:rows + 1]) + torn, encoding="utf-8")
+
+
+def test_rows_missing_at_the_end_of_a_finished_run_are_said_and_not_judged_as_its_end(tmp_path):
+    run = _finished_run(tmp_path)
+    assert "alert episodes 1," in _report_line(ok(ag("report", run, "--no-plot")))  # (the run's card: 1)
+    _keep_rows(run, 10)
+    out = ok(ag("report", run, "--no-plot"))
+    said = f"{run / 'steps.csv'} ends at step 10, the run ended at step 30 (its card): steps 11-30 have no row"
+    assert _notes(out) == [f"note: {said}"], out
+    assert "alert episodes 0," in _report_line(out)  # (3 skips in 10 rows were not the run's end)
+    loaded = compare.load_run(run)
+    assert loaded.notes == [said] and loaded.monitor.alert_episodes == 0
+
+
+def test_a_torn_row_in_the_middle_of_a_finished_run_says_the_steps_after_it_missing_too(tmp_path):
+    run = _finished_run(tmp_path)
+    _keep_rows(run, 10, torn="11,0.1,0.5")
+    notes = _notes(ok(ag("report", run, "--no-plot")))
+    assert notes[0].startswith(f"note: the last line of {run / 'steps.csv'} is torn")
+    assert notes[1:] == [f"note: {run / 'steps.csv'} ends at step 10, the run ended at step 30 (its card): "
+                         "steps 11-30 have no row"]
+
+
+def test_a_finished_run_without_its_card_reads_its_end_from_run_end(tmp_path):
+    run = _finished_run(tmp_path)
+    (run / "RUN.md").unlink()
+    _keep_rows(run, 29)
+    out = ok(ag("report", run, "--no-plot"))
+    assert f"note: {run / 'steps.csv'} ends at step 29, the run ended at step 30 (its run_end event): step 30 has " \
+           "no row" in _notes(out), out
+
+
+# ---------------------------------------------------------------------------- finding 3
+
+
+def test_a_bare_csv_says_its_rows_were_not_judged_as_a_finished_run(tmp_path):
+    csv = tmp_path / "demo.csv"
+    out = ok(ag("demo", "--csv", csv, "--steps", "30", "--inject", "inf_grad@5,6,7"))
+    assert "ALERT 30 skip rate" in out  # (the demo's own judgement at its end)
+    out = ok(ag("report", csv, "--no-plot"))
+    assert f"note: {csv} has no run card or run_end event beside it: its rows are not judged as a finished run's " \
+           "(an ALERT a short run raises at its end is not counted)" in _notes(out), out
+
+
+def test_a_finished_run_folder_has_no_such_note(tmp_path):
+    ok(train(tmp_path, "run", "--set", "task.name=linear", "--set", "steps=4", "--set", "log.plot=false"))
+    assert not [n for n in _notes(ok(ag("report", tmp_path / "run", "--no-plot"))) if "not judged" in n]
 
 
 # ---------------------------------------------------------------------------- finding 5
