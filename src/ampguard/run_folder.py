@@ -208,6 +208,9 @@ class RunPaths:
         except OSError as err:
             if err.errno == errno.ELOOP:
                 raise InputError(f"{path} is a symbolic link; remove it (ampguard keeps its lock there)") from None
+            if err.errno == errno.EISDIR:  # (review 52a: read as a folder that cannot be written, the run went on
+                # unlocked, and a second resume cut the first one's CSV while it wrote)
+                raise InputError(f"{path} is not a regular file; remove it (ampguard keeps its lock there)") from None
             return  # a folder that cannot be written: what the run writes says so, in its words
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)

@@ -52,3 +52,12 @@ def test_a_process_that_holds_the_lock_is_still_refused(tmp_path):
             RunPaths.existing(tmp_path).lock()
     finally:
         holder.unlock()
+
+
+def test_a_lock_file_that_is_a_folder_is_refused_not_skipped(tmp_path):
+    # review 52a: os.open's EISDIR read as "a folder that cannot be written": the run went on unlocked,
+    # and two resumes wrote one folder at once (the second cut the first's CSV as it wrote)
+    (tmp_path / LOCK_FILE).mkdir()
+    with pytest.raises(InputError, match=rf"^{tmp_path / LOCK_FILE} is not a regular file; remove it \(ampguard keeps "
+                                         r"its lock there\)$"):
+        RunPaths.existing(tmp_path).lock()
