@@ -1860,5 +1860,9 @@ def policy_line(change: dict[str, Any]) -> str:
 
         >>> policy_line({"key": "scaler.growth_interval", "old": 2000, "new": 100, "step": 40})
         'scaler.growth_interval 2000 -> 100 from step 41'
+        >>> policy_line({"key": "steps", "old": 30, "new": 10, "step": 10})  # (no step 11: review 52a)
+        'steps 30 -> 10: the run ends at step 10'
     """
+    if change["key"] == "steps" and whole_number(change["new"]) and change["new"] <= change["step"]:
+        return f"steps {_short(change['old'])} -> {_short(change['new'])}: the run ends at step {change['step']}"
     return f"{change['key']} {_short(change['old'])} -> {_short(change['new'])} from step {change['step'] + 1}"

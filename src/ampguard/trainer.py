@@ -726,7 +726,8 @@ class Trainer:
                 p.name + (f" ({unreadable[p.name]})" if p.name in unreadable else "") for p in set_aside) if set_aside else ""
             self.events.emit({"step": self.state.steps, "event": "resume",
                               "message": f"resumed from {self.resume.path.name} at step {self.state.steps}{note}"}, "RESUME")
-            moved = self._lr_moved
+            # (no next step where the resume ends the run: review 52a said the LR of a step 11 that never ran)
+            moved = self._lr_moved if self.state.steps < self.config.steps else None
             for change in self.policy_new:  # each is a line on the console, in events.jsonl and the run card
                 line = ck.policy_line(change)
                 said = change["key"] == "optimizer.lr" and moved == (change["old"], change["new"])  # (its own line)

@@ -235,3 +235,15 @@ def test_a_resume_that_makes_the_warm_up_longer_than_the_run_says_so_once(tmp_pa
     assert code == 0 and err.count("schedule.warmup 30 > steps 6: the learning rate never reaches optimizer.lr") == 1, err
     code, out, err = ag("train", "--resume", tmp_path / "w" / "checkpoints" / "step-00000006.pt", "--set", "steps=9")
     assert code == 0 and "never reaches" not in err, err  # (said by the resume that made it so, whose checkpoint this is)
+
+
+def test_a_resume_that_ends_the_run_at_its_checkpoint_says_so_not_a_next_step(tmp_path):
+    # review 52a: steps 20 -> 10 from step 10's checkpoint said "from step 11 (the next step's LR ...)",
+    # on the console, in events.jsonl and on the card, of a step that never runs
+    ok(train(tmp_path, "short", *BASE[:4], "--set", "schedule.decay=cosine", *BASE[6:], "--set", "precision=fp32",
+             "--set", "steps=20", "--set", "checkpoint.every=10"))
+    run = tmp_path / "short"
+    out = ok(ag("train", "--resume", run / "checkpoints" / "step-00000010.pt", "--set", "steps=10"))
+    [line] = [line for line in out.splitlines() if line.startswith("POLICY")]
+    assert line == "POLICY 10 steps 20 -> 10: the run ends at step 10", line
+    assert "| policy changes on resume | steps 20 -> 10: the run ends at step 10 |" in (run / "RUN.md").read_text()
