@@ -102,6 +102,12 @@ DATA_ID = ckpt.DATA_ID
 """Payload key (meta): what identifies the task's data when the machine provides it
 (:attr:`ampguard.tasks.Task.data_id`: charlm's corpus is the running Python's standard library); a
 resume on other data is refused (:func:`ampguard.checkpoint.other_data`)."""
+THROUGHPUT = "throughput"
+"""Payload key (meta): the run card's throughput as measured so far; a resume whose own process
+measures none (fewer than two steps: a ``--resume`` of a finished run rewrites its card) says
+it as an earlier part's (review 52a: the first process's figure became "not measured")."""
+EARLIER_PART = " (an earlier part's: this process trained fewer than two steps)"
+"""What the card's throughput adds to a figure an earlier part of a resumed run measured."""
 DATA_NEXT = "data_next"
 """Payload key (meta): a hash of the task's next global batch at the checkpoint's data position
 (:meth:`ampguard.data.DataStream.digest`), for a task whose stream seeks cheaply (``batches_from``:
@@ -868,6 +874,7 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     (CONFIG, True, lambda v: isinstance(v, dict) and is_plain(v), "a mapping of plain data"),
     (PRECISION, False, lambda v: isinstance(v, str), "a str"),
     (TORCH_VERSION, False, lambda v: isinstance(v, str), "a str"),
+    (THROUGHPUT, False, lambda v: isinstance(v, str), "a str"),
     (DATA_NEXT, False, lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None, "64 hex digits"),
     (RUN_ID, False, lambda v: isinstance(v, str) and RUN_ID_PATTERN.fullmatch(v) is not None, "32 hex digits"),
     (MODEL, True, _tensor_map, "a mapping of parameter names to tensors"),

@@ -335,6 +335,7 @@ class Trainer:
                         **({ck.POLICY: list(self.policy)} if self.policy else {}),
                         **({ck.DATA_ID: self.task.data_id} if self.task.data_id else {}),
                         **({ck.DATA_NEXT: self.data.digest()} if self.task.batches_from is not None else {}),
+                        **({ck.THROUGHPUT: said} if (said := self._throughput_said()) else {}),
                         **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {}),
                         **({ck.AUTOCAST_DTYPE_CHANGES: list(self.dtype_lines)} if self.dtype_lines else {})}
         check = lambda loaded: ck.check_checkpoint(loaded, self.run_id)  # noqa: E731 - a rollback's too
@@ -820,7 +821,7 @@ class Trainer:
         result.policy_changes = [ck.policy_line(change) for change in self.policy] + self.dtype_lines
         result.policy = list(self.policy)
         result.autocast_dtypes = self.autocast_dtypes
-        result.throughput, result.path, result.fp8_layers = self.throughput.summary(), self.path, self.fp8_layers
+        result.throughput, result.path, result.fp8_layers = self._throughput_said(), self.path, self.fp8_layers
         result.world_size = self.dist.world_size
         if self.paths.dir is not None and self.disk_full() is None:
             from .report import write_report
@@ -840,6 +841,15 @@ class Trainer:
             result.exit_code, result.ended = ExitCode.DISK_FULL, full
         self.sinks.finish(result)  # the tracker runs: totals, the run card and plot as artifacts, the end
         return result
+
+    def _throughput_said(self) -> str | None:
+        """The run card's throughput: this process's (:meth:`Throughput.summary`), else the one the
+        checkpoint it resumed from kept, as an earlier part's (:data:`~ampguard.checkpointer.THROUGHPUT`)."""
+        measured = self.throughput.summary()
+        if measured is not None or self.resume is None:
+            return measured
+        earlier = self.resume.loaded.payload.get(ck.THROUGHPUT)
+        return earlier.removesuffix(ck.EARLIER_PART) + ck.EARLIER_PART if isinstance(earlier, str) else None
 
     def _peak_flops(self) -> float | None:
         """FLOP/s for the MFU: ``log.peak_tflops``, else a known GPU's (``events.PEAK_TFLOPS``)."""

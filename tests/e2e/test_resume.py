@@ -211,7 +211,9 @@ def test_resume_of_a_complete_run_rewrites_its_card_and_a_lower_steps_is_refused
     rewritten = (run / "RUN.md").read_text(encoding="utf-8")
     assert "| updates applied | 12 |" in card and "| updates applied | 12 |" in rewritten
     assert "resumed from | `step-00000012.pt`" in rewritten
-    assert "| throughput | not measured (this process trained fewer than two steps) |" in rewritten
+    # (the first process's figure, said as an earlier part's: review 52a, it read "not measured")
+    [measured] = [line for line in card.splitlines() if line.startswith("| throughput |")]
+    assert measured[:-2] + " (an earlier part's: this process trained fewer than two steps) |" in rewritten
 
     ok(ag("train", "--resume", run, "--set", "steps=16"))
     assert csv_steps(run / "steps.csv") == list(range(1, 17))

@@ -57,3 +57,18 @@ def test_a_resume_whose_data_now_draws_other_batches_at_its_position_is_refused(
                     "ampguard's built-in task, or a factory's data or batches_from changed), and a resume would train "
                     "on other batches than the run; resume with what wrote it, or start a new run"), line
     assert (tmp_path / "runs" / "r" / "steps.csv").read_bytes() == csv_before  # (nothing cut)
+
+
+def test_a_resume_of_a_finished_run_keeps_the_throughput_its_card_said(cli, tmp_path):
+    # review 52a: the process that rewrites a finished run's card trains no step; its throughput row read
+    # "not measured", the first process's figure gone
+    run = ["--set", "task.name=linear", "--set", "device=cpu", "--set", "precision=fp32", "--set", "steps=6",
+           "--set", "log.name=t", "--set", "log.plot=false"]
+    assert cli("train", *run)[0] == 0
+    card = tmp_path / "runs" / "t" / "RUN.md"
+    [before] = [line for line in card.read_text().splitlines() if line.startswith("| throughput |")]
+    assert "not measured" not in before
+    for _ in range(2):  # (and again: the note is not added twice)
+        assert cli("train", "--resume", str(tmp_path / "runs" / "t"))[0] == 0
+        [after] = [line for line in card.read_text().splitlines() if line.startswith("| throughput |")]
+        assert after == before[:-2] + " (an earlier part's: this process trained fewer than two steps) |", after
