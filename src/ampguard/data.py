@@ -102,8 +102,13 @@ class DataStream:
         from .untouched import rng_kept
 
         h = hashlib.sha256()
-        with rng_kept():  # a factory's stream may draw (a shuffle): the run's draws stay where they were
-            batch = next(iter(self.task.stream(self.position)))
+        kept = [generator.get_state() for generator in self.task.generators]
+        try:
+            with rng_kept():  # a factory's stream may draw (a shuffle): the run's draws stay where they were
+                batch = next(iter(self.task.stream(self.position)))
+        finally:  # (and the data's own generators: its batches_from may read the loader the run reads)
+            for generator, state in zip(self.task.generators, kept):
+                generator.set_state(state)
         for leaf in tree_leaves(batch):
             if isinstance(leaf, torch.Tensor):
                 t = leaf.detach().cpu().contiguous()

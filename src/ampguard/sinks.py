@@ -1158,23 +1158,32 @@ def refuse_record_fields(who: str, extra: Mapping[str, Any] | None, kind: str = 
                          "(guard.step()'s), not one given beside it")
 
 
-def _json_value(value: Any) -> Any:
-    """An extra's value as JSON holds it: a NumPy number or a one-element tensor as a Python number
-    (review 52d: every other sink took them; ``json.dumps`` refused them), text, a bool and None as
-    they are.
+def _json_value(who: str, name: str, value: Any) -> Any:
+    """An extra's value as JSON holds it: a NumPy scalar, a one-element NumPy array or tensor as the
+    Python number or bool it holds (review 52d: every other sink took them; ``json.dumps`` refused
+    them), text, a bool and None as they are; anything else one ``ValueError`` naming the extra
+    (review 52i: a raw ``TypeError``, "not JSON serializable", that named no extra).
 
     Example::
 
         >>> import numpy as np, torch
-        >>> [_json_value(v) for v in (np.float32(0.5), np.int64(3), torch.tensor(0.25), 2, True, None, "warm-up")]
-        [0.5, 3, 0.25, 2, True, None, 'warm-up']
+        >>> [_json_value("s", "x", v) for v in (np.float32(0.5), np.int64(3), torch.tensor(0.25), torch.tensor([7]),
+        ...                                     np.bool_(True), np.array(2.5), 2, True, None, "warm-up")]
+        [0.5, 3, 0.25, 7, True, 2.5, 2, True, None, 'warm-up']
+        >>> _json_value("JsonlSink s.jsonl", "acc", torch.ones(3))
+        Traceback (most recent call last):
+        ...
+        ValueError: JsonlSink s.jsonl: extra 'acc' is a Tensor of 3 values: a row holds one value a column (a number, a bool, text)
     """
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    number = metric_number(value)
-    return value if number is None else number
+    size = value.numel() if hasattr(value, "numel") and callable(value.numel) else getattr(value, "size", None)
+    if size == 1 and callable(getattr(value, "item", None)):  # (a tensor or a NumPy scalar or array of one value)
+        item = value.item()
+        if isinstance(item, (bool, int, float)):
+            return item
+    kind = f"a {type(value).__name__}" + (f" of {size} values" if isinstance(size, int) else "")
+    raise ValueError(f"{who}: extra {name!r} is {kind}: a row holds one value a column (a number, a bool, text)")
 
 
 class ConsoleSink:
@@ -1310,7 +1319,7 @@ class JsonlSink(_LineFile):
             **({"loss_on": loss_on} if (loss_on := getattr(record, "loss_on", None)) else {}),
             **({"optimizers": list(record.optimizers), "skipped_optimizers": list(record.skipped_optimizers)}
                if record.optimizers else {}),
-            **{name: _json_value(value) for name, value in (extra or {}).items()},
+            **{name: _json_value(f"JsonlSink {self.path}", name, value) for name, value in (extra or {}).items()},
         })
         self._last = record.step
 
@@ -1500,10 +1509,12 @@ def metric_number(value: object) -> float | None:
 
 
 def _quiet_writer_thread(args: Any, *, before: Callable[[Any], None]) -> None:
-    """``threading.excepthook`` while a :class:`TensorBoardSink` is open: TensorBoard's writer
-    thread re-raises its write's error after keeping it for the next call, where the sink raises
-    it as the run's :class:`DiskFull` (one line); its traceback on stderr is not printed too. Any
-    other thread's error, and any other error, goes to the hook ``before``."""
+    """``threading.excepthook`` from the first :class:`TensorBoardSink` on (once a process, kept:
+    several sinks may be open at once): TensorBoard's writer thread re-raises its write's error
+    after keeping it for the next call, where the sink raises it as the run's :class:`DiskFull`
+    (one line); its traceback on stderr is not printed too. That holds for a writer of yours made
+    later too, whose next call raises the error as well. Any other thread's error, and any other
+    error, goes to the hook ``before``."""
     from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 
     if not (isinstance(args.thread, _AsyncWriterThread) and disk_full_error(args.exc_value) is not None):

@@ -49,7 +49,7 @@ from .signals import (
 from .files import DiskFull, disk_full_error, left_by_an_ended_process, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
 from .step import AmpTrainState
-from .tasks import Task, build_task
+from .tasks import Task, build_task, eval_unread
 
 
 class BadBatch(Exception):
@@ -160,6 +160,8 @@ class Trainer:
             ck.check_resume(resume, config, self.dist.world_size, self.dist.rank)
         faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
         self.task = _build_task(config, self.dist.world_size)
+        if resume is None and (unread := eval_unread(config, self.task)):  # (a training run's settings: not
+            warnings.warn(unread, AmpguardWarning, stacklevel=2)          # validate's nor locate's; said once)
         if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
             warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
                           "statistics frozen) and trains so: call model.train() in the factory to train it in train "
@@ -383,8 +385,9 @@ class Trainer:
                 try:
                     self.sinks.close()
                 except Exception as err:  # a sink's last write failing is the run's crash, with its card; it
-                    # replaced the crash being handled, and no card nor run_end was written (review 52d)
-                    if crashed is None:
+                    # replaced the crash being handled, and no card nor run_end was written (review 52d); an
+                    # interrupt stays one (review 52i: its 130 became 1)
+                    if crashed is None and clean:
                         crashed, clean = err, False
                     else:
                         warnings.warn(f"a sink failed as it closed: {first_line(err, with_type=True)}",

@@ -281,6 +281,26 @@ def test_a_sink_failing_as_it_closes_is_the_runs_crash_with_its_card(cli, monkey
     assert [e["event"] for e in run_events(run)][-1] == "run_end"
 
 
+def test_a_sink_failing_as_it_closes_after_an_interrupt_leaves_it_an_interrupt(cli, monkeypatch):
+    # review 52i: the close's failure turned the interrupt (130) into a crash (1)
+    from ampguard.sinks import CsvSink
+    from ampguard.step import AmpTrainState
+
+    real_step = AmpTrainState.step
+
+    def step(self, *batch):
+        if self.steps == 1:
+            raise KeyboardInterrupt  # (a second Ctrl-C mid-step)
+        return real_step(self, *batch)
+
+    monkeypatch.setattr(AmpTrainState, "step", step)
+    monkeypatch.setattr(CsvSink, "close", lambda self: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    code, out, err = cli("train", *SHORT, "--set", "log.dir=runs", "--set", "log.name=i")
+    assert code == ExitCode.INTERRUPTED, (code, err)
+    assert "a sink failed as it closed: OSError: [Errno 5] Input/output error" in err, err
+    assert "interrupted" in (Path("runs/i") / "RUN.md").read_text()
+
+
 def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_file(disk_full_runs):
     code, out, err, run = disk_full_runs["checkpoint"]
     assert code == ExitCode.DISK_FULL, (code, err)

@@ -72,3 +72,13 @@ def test_a_resume_of_a_finished_run_keeps_the_throughput_its_card_said(cli, tmp_
         assert cli("train", "--resume", str(tmp_path / "runs" / "t"))[0] == 0
         [after] = [line for line in card.read_text().splitlines() if line.startswith("| throughput |")]
         assert after == before[:-2] + " (an earlier part's: this process trained fewer than two steps) |", after
+
+
+def test_an_eval_setting_the_task_does_not_read_is_said_by_the_run_not_its_resume(cli, tmp_path):
+    run = ["--set", "task.name=linear", "--set", "device=cpu", "--set", "precision=fp32", "--set", "steps=4",
+           "--set", "checkpoint.every=2", "--set", "eval.batches=3", "--set", "log.name=e", "--set", "log.plot=false"]
+    code, out, err = cli("train", *run)
+    line = "task linear does not read eval.batches (charlm's number of held-out batches): ignored"
+    assert code == 0 and err.count(line) == 1, err
+    code, out, err = cli("train", "--resume", str(tmp_path / "runs" / "e" / "checkpoints" / "step-00000002.pt"))
+    assert code == 0 and line not in err, err

@@ -61,6 +61,22 @@ def seek_through_data(config):  # (batches_from reads data's own seeded DataLoad
     return {"model": nn.Linear(4, 1), "data": loader, "loss_fn": F.mse_loss, "batches_from": batches_from}
 
 
+class Augmented(torch.utils.data.Dataset):  # (a draw per example, in the loader: no shuffle)
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return X[i] + 0.1 * torch.randn(4), Y[i]
+
+
+def augmented_loader(config):
+    return nn.Linear(4, 1), DataLoader(Augmented(), batch_size=3), F.mse_loss
+
+
+def augmented_loader_fn(config):
+    return nn.Linear(4, 1), (lambda: DataLoader(Augmented(), batch_size=3)), F.mse_loss
+
+
 def augmented(config):  # (a draw per batch, from the RNG state of the moment: a resume draws it again so)
     def data():
         for i in range(0, 12, 3):
@@ -80,7 +96,7 @@ def test_data_shuffled_from_the_global_rng_as_a_pass_begins_is_said_to_resume_on
     assert "a resume, a rollback or locate's replay inside a pass reads that pass in another order" in said[0]
 
 
-@pytest.mark.parametrize("fn", ["seeded_loader", "augmented"])
+@pytest.mark.parametrize("fn", ["seeded_loader", "augmented", "augmented_loader", "augmented_loader_fn"])
 def test_data_that_resumes_exactly_is_not_said(tmp_path, fn):
     path = write(tmp_path / "f52.py", FACTORIES)
     assert caught_warnings(lambda: build_task(load_config(None, [f"task.factory={path}:{fn}"]))) == []
@@ -100,14 +116,52 @@ def test_a_batches_from_that_reads_datas_own_loader_starts_where_data_does(tmp_p
         assert torch.equal(next(iter(task.stream(start)))[0], run[start]), start
 
 
-def test_eval_settings_a_task_does_not_read_are_said(tmp_path):
-    # review 52h: eval.batches (charlm's) on another task, eval.every on a factory with no evaluate,
-    # were ignored unsaid; the README says a setting given and not read is said
-    from helpers import caught_warnings as said_by
+def test_eval_settings_a_task_does_not_read_are_said_once_by_a_training_run(tmp_path):
+    # review 52h: eval.batches (charlm's) on another task, eval.every on a factory with no evaluate, were
+    # ignored unsaid; review 52i: said twice with evaluation off, and again by every resume, validate, locate
+    from ampguard.tasks import eval_unread
 
     path = write(tmp_path / "f52.py", FACTORIES)
-    assert said_by(lambda: build_task(load_config(None, ["task.name=digits", "eval.batches=3"]))) == [
-        "task digits does not read eval.batches (charlm's number of held-out batches): ignored"]
-    assert said_by(lambda: build_task(load_config(None, [f"task.factory={path}:seeded_loader", "eval.every=5"]))) == [
-        "task factory does not read eval.every (it has no held-out evaluation: no evaluate): ignored"]
-    assert said_by(lambda: build_task(load_config(None, ["task.name=linear", "eval.every=5"]))) == []  # (read)
+
+    def said(*overrides):
+        config = load_config(None, list(overrides))
+        return eval_unread(config, build_task(config))
+
+    assert said("task.name=digits", "eval.batches=3") == (
+        "task digits does not read eval.batches (charlm's number of held-out batches): ignored")
+    assert said(f"task.factory={path}:seeded_loader", "eval.every=5") == (
+        "task factory does not read eval.every (it has no held-out evaluation: no evaluate): ignored")
+    assert said("task.name=linear", "eval.every=5") is None  # (read)
+    assert said("task.name=digits", "eval.batches=3", "eval.enabled=false") is None  # (the config's line says it)
+
+
+def test_a_checkpoints_look_at_the_next_batch_leaves_the_runs_data_as_it_was(tmp_path):
+    # review 52i: a checkpoint's hash of the next batch (data_next) read through batches_from, which rewinds
+    # and reads the loader the run reads: at a pass's end it drew the next pass's order, and the run
+    # trained on another than without checkpoints (from step 5 with checkpoint.every=4, four batches a pass)
+    import torch
+
+    from ampguard.data import DataStream
+    from ampguard.faults import FaultInjector
+
+    path = write(tmp_path / "f52.py", FACTORIES)
+    task = build_task(load_config(None, [f"task.factory={path}:seek_through_data"]))
+    plain, looked = DataStream(task, FaultInjector([]), torch.device("cpu")), None
+    run = [plain.next(first_step=1)[0] for _ in range(10)]
+    looked = DataStream(task, FaultInjector([]), torch.device("cpu"))
+    seen = []
+    for i in range(10):
+        if i % 4 == 0:
+            looked.digest()  # (a checkpoint at the step before: at a pass's end for i = 4, 8)
+        seen.append(looked.next(first_step=1)[0])
+    assert all(torch.equal(a, b) for a, b in zip(run, seen))
+
+
+def test_a_metric_named_like_a_json_lines_records_key_is_refused_at_start_up():
+    # review 52i: "loss_on" passed the factory's check, and the JSON lines sink refused it at the first
+    # evaluation: exit 1 with a traceback, mid-run
+    from ampguard.errors import InputError
+    from ampguard.tasks.factory import check_metrics
+
+    with pytest.raises(InputError, match=r"metric 'loss_on' is one of the CSV's fixed columns"):
+        check_metrics(("val_loss", "loss_on"), "f.py:build")

@@ -45,6 +45,18 @@ def test_the_json_lines_sink_takes_numpy_and_tensor_extras_as_numbers(tmp_path):
                                                                                        None, 4]
 
 
+def test_the_json_lines_sink_refuses_an_extra_of_several_values_naming_it_and_writes_nothing(tmp_path):
+    # review 52i: a raw TypeError ("not JSON serializable") that named no extra; a bool tensor and a
+    # NumPy bool failed so too, and an int tensor was written as 3.0
+    sink = JsonlSink(tmp_path / "s.jsonl")
+    with pytest.raises(ValueError, match=r"extra 'hist' is a Tensor of 3 values: a row holds one value a column"):
+        sink.write(_row(1), {"hist": torch.ones(3)})
+    sink.write(_row(1), {"flag": torch.tensor(True), "np_flag": np.bool_(False), "count": torch.tensor(3)})
+    sink.close()
+    line = json.loads((tmp_path / "s.jsonl").read_text())
+    assert (line["flag"], line["np_flag"], line["count"]) == (True, False, 3)
+
+
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])
 def test_a_console_sink_refuses_an_every_that_is_no_whole_number_from_1(every):
     with pytest.raises(ValueError, match=r"ConsoleSink: every must be a whole number >= 1"):

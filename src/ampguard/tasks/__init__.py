@@ -53,7 +53,7 @@ def build_task(config: Any) -> Task:
     if config.task.factory:
         from .factory import build_from_factory
 
-        return _eval_unread(config, build_from_factory(config))
+        return build_from_factory(config)
     unread = config.task.unread()
     if unread:  # (a config shared with another task: said, not refused)
         warnings.warn(f"task {config.task.name} does not read task.{', task.'.join(unread)}: ignored"
@@ -78,37 +78,31 @@ def build_task(config: Any) -> Task:
     task.batches = _sized(task.batches, name)  # (a batch too large for memory: named as the model is)
     if task.batches_from is not None:
         task.batches_from = _sized(task.batches_from, name)
-    return _eval_unread(config, task)
+    return task
 
 
-def _eval_unread(config: Any, task: Task) -> Task:
-    """``task``, after a warning for the ``eval`` settings given that it does not read (review 52h:
-    ignored unsaid, though the README says a setting given and not read is said): ``eval.batches``
-    is charlm's held-out batch count; ``eval.every`` is read only by a task with an ``evaluate``
-    (with ``eval.enabled`` false, :func:`~ampguard.config.ignored_settings` says it).
+def eval_unread(config: Any, task: Task) -> str | None:
+    """The line a training run says of the ``eval`` settings given that ``task`` does not read, or
+    None (review 52h: ignored unsaid, though the README says a setting given and not read is said):
+    ``eval.batches`` is charlm's held-out batch count; ``eval.every`` is read only by a task with
+    an ``evaluate``. Not with ``eval.enabled`` false (:func:`~ampguard.config.ignored_settings`
+    says them then: review 52i, said twice).
 
     Example::
 
         >>> from ampguard.config import load_config
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as said:
-        ...     warnings.simplefilter("always")
-        ...     _ = build_task(load_config(None, ["task.name=linear", "eval.batches=3"]))
-        >>> [str(w.message) for w in said]
-        ["task linear does not read eval.batches (charlm's number of held-out batches): ignored"]
+        >>> config = load_config(None, ["task.name=linear", "eval.batches=3"])
+        >>> eval_unread(config, build_task(config))
+        "task linear does not read eval.batches (charlm's number of held-out batches): ignored"
     """
     from ..config import given_keys
 
     given = given_keys(config)
-    unread = [key for key in ("eval.every", "eval.batches") if key in given and (
-        key == "eval.batches" and task.name != "charlm" or key == "eval.every" and task.evaluate is None
-        and config.eval.enabled)]
-    if unread:
-        why = {"eval.batches": "eval.batches (charlm's number of held-out batches)",
-               "eval.every": "eval.every (it has no held-out evaluation: no evaluate)"}
-        warnings.warn(f"task {task.name} does not read {', '.join(why[key] for key in unread)}: ignored",
-                      AmpguardWarning, stacklevel=3)
-    return task
+    unread = [key for key in ("eval.every", "eval.batches") if config.eval.enabled and key in given and (
+        key == "eval.batches" and task.name != "charlm" or key == "eval.every" and task.evaluate is None)]
+    why = {"eval.batches": "eval.batches (charlm's number of held-out batches)",
+           "eval.every": "eval.every (it has no held-out evaluation: no evaluate)"}
+    return f"task {task.name} does not read {', '.join(why[key] for key in unread)}: ignored" if unread else None
 
 
 MODEL_SIZES: dict[str, tuple[str, ...]] = {"charlm": ("task.n_embd", "task.n_layer", "task.block_size"),

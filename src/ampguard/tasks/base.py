@@ -70,6 +70,11 @@ class Task:
     release: Callable[[], None] | None = None
     """``release()`` stops what reading ``batches()`` started and a run no longer reads (a
     ``DataLoader``'s persistent workers): called once the run's loop is over. Optional."""
+    generators: tuple[torch.Generator, ...] = ()
+    """The data's own generators (a factory's ``DataLoader``'s and its samplers'): a read beside
+    the run's (a checkpoint's :meth:`~ampguard.data.DataStream.digest`) puts them back after it,
+    as it puts back the global RNGs (review 52i: a checkpoint at a pass's end drew the next pass's
+    order from the loader the run reads, which then trained on another)."""
 
     def stream(self, start: int = 0) -> Iterator[Batch]:
         """The micro-batches from number ``start`` on (0-based): what ``batches()`` gives after

@@ -141,7 +141,8 @@ def check_metrics(metrics: Any, spec: str) -> tuple[str, ...]:
     """
     if not isinstance(metrics, Iterable):
         raise InputError(f"task.factory {spec}: metrics must be a sequence of names, not a {type(metrics).__name__}")
-    return check_column_names(metrics, f"task.factory {spec}: metric", CSV_COLUMNS + LABEL_COLUMNS)
+    # (loss_on: a record's key in the JSON lines, refused there mid-run: review 52i)
+    return check_column_names(metrics, f"task.factory {spec}: metric", CSV_COLUMNS + LABEL_COLUMNS + ("loss_on",))
 
 
 class TrainingBatches:
@@ -350,6 +351,7 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
         predict=made.get("predict"),
         batches_from=None if seek is None else functools.partial(_seeked, seek, spec, rewind),
         release=release,
+        generators=tuple(generators),
     )
 
 
@@ -456,8 +458,8 @@ def _check_resumes_in_a_pass(restart: Callable[[], Any], second: Any, after_firs
     resumes exactly and passes. The RNGs are left as they were."""
     with rng_kept(), user_code(f"task.factory {spec}: reading the data again failed: "):
         set_rng_state(after_first)
-        reader = iter(restart())
-        with rng_kept():
+        with rng_kept():  # (opened inside, as a resume opens it: a DataLoader's iter() draws its seed;
+            reader = iter(restart())  # review 52i: opened before, it moved the draws of a per-batch augmentation)
             next(reader, None)
         again = next(reader, None)
         del reader
