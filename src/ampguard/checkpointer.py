@@ -88,8 +88,7 @@ ROLLBACK_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG)
 RESUME_FIXED = ("precision", "accumulation_steps", "seed", "task", "optimizer.name",
                 "scaler.enabled", "optimizer.fused", "monitor.window", "rollback.window", "fp8")
 """Config keys a resumed run must keep: changing any would make it differ from the uninterrupted run.
-``scaler.enabled`` and ``optimizer.fused`` are compared as they take effect (null is on for fp16,
-not fused); the two rolling windows'
+``scaler.enabled`` is compared as it takes effect (null is on for fp16); the two rolling windows'
 contents are in the checkpoint, so their sizes cannot change (docs/resume.md has the table)."""
 POLICY = "policy_changes"
 """Payload key (meta, never restored as a part): the policy changes made on resume so far, each
@@ -1478,9 +1477,9 @@ def _skip_batches_used(resume: Resume, config: Config) -> int:
 
 
 def _effective(config: dict[str, Any]) -> dict[str, Any]:
-    """A config as plain data with ``scaler.enabled`` as it takes effect (null: on for fp16 only),
-    ``optimizer.fused`` too (null, PyTorch's default, is not fused), and the ``fp8`` section only
-    where it takes effect (precision fp8; a checkpoint from before the section existed has none).
+    """A config as plain data with ``scaler.enabled`` as it takes effect (null: on for fp16 only)
+    and the ``fp8`` section only where it takes effect (precision fp8; a checkpoint from before
+    the section existed has none).
 
     Example::
 
@@ -1498,17 +1497,13 @@ def _effective(config: dict[str, Any]) -> dict[str, Any]:
     if not scaler["enabled"]:  # (its settings take no effect: a change to one is none, review 50e)
         scaler = {"enabled": False}
     fp8 = {"fp8": config["fp8"]} if config.get("precision") == "fp8" and "fp8" in config else {}
-    optimizer = dict(config.get("optimizer") or {})
-    if "fused" in optimizer and optimizer["fused"] is None:  # (PyTorch's default: not fused; review 52a: a
-        optimizer["fused"] = False                            # resume's false was refused against a null)
     task = dict(config.get("task") or {})
     factory = task.get("factory")
     if isinstance(factory, str):  # a file is the same file wherever the folder now is: its name and function
         target, sep, attr = factory.rpartition(":")
         if sep and (target.endswith(".py") or "/" in target):
             task["factory"] = f"{Path(target).name}:{attr}"
-    return {**{k: v for k, v in config.items() if k not in ("fp8", "task", "optimizer")}, "task": task,
-            "scaler": scaler, **fp8, **({"optimizer": optimizer} if "optimizer" in config else {})}
+    return {**{k: v for k, v in config.items() if k not in ("fp8", "task")}, "task": task, "scaler": scaler, **fp8}
 
 
 def resume_point(resume: Resume | None) -> tuple[int, str | None] | None:
