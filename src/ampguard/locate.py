@@ -505,10 +505,12 @@ class Diagnosis:
 
 
 def _place(finding: Finding) -> tuple[Any, ...]:
-    """Where a finding is, apart from its pass (its precision, dtypes, kind and loss): two passes'
-    findings at the same place compare equal."""
+    """Where a finding is, apart from its pass (its precision, dtypes, kind and loss) and its
+    micro-batch (the FP32 replay runs the micro-batch AMP's finding names alone, and numbers none:
+    the run's first-skip diagnosis named an input NaN's place twice): two passes' findings at the
+    same place compare equal."""
     return (finding.where, finding.name, finding.op.partition(";")[0], finding.call, finding.grad, finding.before,
-            tuple(finding.also), finding.micro_batch)
+            tuple(finding.also))
 
 
 def trace_first_non_finite(
