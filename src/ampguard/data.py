@@ -99,24 +99,44 @@ class DataStream:
             >>> data.digest() == data.digest(), len(data.digest())
             (True, 64)
         """
+        return _hashed(self._peek_global())
+
+    def fingerprint(self) -> str | None:
+        """:meth:`digest` for a checkpoint to keep (``data_next``), where it says the batch alone:
+        None for a batch with a leaf whose text may hold more than its value (an object's ``repr``,
+        its address: review 52j, the same data's resume was refused) and for a stream that ends or
+        fails there (the batch after a run's last, which the run never reads: review 52j, a
+        ``batches_from`` of exactly the run's batches crashed the final save).
+
+        Example::
+
+            >>> from ampguard.config import validate
+            >>> from ampguard.tasks import build_task
+            >>> data = DataStream(build_task(validate({"task": {"name": "linear"}})), FaultInjector([]), torch.device("cpu"))
+            >>> data.fingerprint() == data.digest()
+            True
+        """
+        try:
+            batch = self._peek_global()
+        except Exception:  # noqa: BLE001 - the user's stream, past what the run reads: no fingerprint
+            return None
+        if not all(isinstance(leaf, (torch.Tensor, str, bytes, int, float, bool, type(None)))
+                   for leaf in tree_leaves(batch)):
+            return None
+        return _hashed(batch)
+
+    def _peek_global(self) -> Batch:
+        """The next global batch read afresh, the run's draws (the global RNGs, the data's own
+        generators) left where they were."""
         from .untouched import rng_kept
 
-        h = hashlib.sha256()
         kept = [generator.get_state() for generator in self.task.generators]
         try:
             with rng_kept():  # a factory's stream may draw (a shuffle): the run's draws stay where they were
-                batch = next(iter(self.task.stream(self.position)))
+                return next(iter(self.task.stream(self.position)))
         finally:  # (and the data's own generators: its batches_from may read the loader the run reads)
             for generator, state in zip(self.task.generators, kept):
                 generator.set_state(state)
-        for leaf in tree_leaves(batch):
-            if isinstance(leaf, torch.Tensor):
-                t = leaf.detach().cpu().contiguous()
-                h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-            else:
-                h.update(repr(leaf).encode())
-        return h.hexdigest()
 
     def next(self, first_step: int) -> Batch:
         """The next micro-batch. ``first_step`` is the step the stream's next batch belongs to when
@@ -201,6 +221,19 @@ class DataStream:
 
     def load_state_dict(self, position: int) -> None:
         self.seek(int(position))
+
+
+def _hashed(batch: Batch) -> str:
+    """A SHA-256 of a batch: each tensor's dtype, shape and bytes, any other leaf's ``repr``."""
+    h = hashlib.sha256()
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
 
 
 def check_same_data(data: DataStream, who: str) -> str | None:

@@ -426,9 +426,10 @@ def test_a_factory_run_with_batches_from_resumes_bit_for_bit_without_reading_the
     assert (b / "steps.csv").read_bytes() == (a / "steps.csv").read_bytes()  # the same run, bit for bit
     made = [int(line) for line in log.read_text().split()]
     # the start-up reads data's first four and its first again, checks batches_from(0) and (3) and puts
-    # batches 0 to 3 through the model (review 38: all four it reads, not the first alone); then the stream
-    # goes on from micro-batch 6 (3 steps of 2): 4 and 5 never made
-    assert made == [0, 1, 2, 3, 0, 0, 3, 0, 1, 2, 3, *range(6, 12)]
+    # batches 0 to 3 through the model (review 38: all four it reads, not the first alone); the resume compares
+    # the checkpoint's hash of its next batch, 6 (data_next, review 52a); then the stream goes on from
+    # micro-batch 6 (3 steps of 2): 4 and 5 never made; the last save hashes its next batch, 12
+    assert made == [0, 1, 2, 3, 0, 0, 3, 0, 1, 2, 3, 6, *range(6, 12), 12]
 
 
 DRAWING = """
