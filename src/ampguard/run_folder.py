@@ -203,35 +203,33 @@ class RunPaths:
         if self.dir is None or fcntl is None or self._lock is not None:
             return
         path = self.dir / LOCK_FILE
-        try:  # (never through a link: the pid would be written into whatever it names)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise InputError(f"{path} is a symbolic link; remove it (ampguard keeps its lock there)") from None
-            if err.errno == errno.EISDIR:  # (review 52a: read as a folder that cannot be written, the run went on
-                # unlocked, and a second resume cut the first one's CSV while it wrote)
-                raise InputError(f"{path} is not a regular file; remove it (ampguard keeps its lock there)") from None
-            return  # a folder that cannot be written: what the run writes says so, in its words
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise InputError(f"{path} is not a regular file; remove it (ampguard keeps its lock there)")
         # a reader's look (writer(): report, compare) holds a shared lock for microseconds: tried again for a
         # moment before the refusal (review 52c: a resume beside a polling report was refused, naming a dead pid)
         patience = time.monotonic() + LOCK_PATIENCE_S
         while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if time.monotonic() < patience:
-                    time.sleep(0.005)
-                    continue
-                pid = _pid_in(fd)
-                os.close(fd)
-                raise self._busy(pid) from None
-            except OSError:  # no locks on this file system: unlocked, as before
-                os.close(fd)
-                return
-            break
+            fd = _open_lock(path)
+            if fd is None:
+                return  # a folder that cannot be written: what the run writes says so, in its words
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if time.monotonic() < patience:
+                        time.sleep(0.005)
+                        continue
+                    pid = _pid_in(fd)
+                    os.close(fd)
+                    raise self._busy(pid) from None
+                except OSError:  # no locks on this file system: unlocked, as before
+                    os.close(fd)
+                    return
+                break
+            if _names(path, fd):
+                break
+            # the holder let go and took its file away (unlock) while this one waited on it: the lock held
+            # is of a file no longer there, beside which a third process makes and holds a new one (review
+            # 52j: two writers of one folder); the lock is taken again on the file the folder names
+            os.close(fd)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode("ascii"))
@@ -423,6 +421,35 @@ RUN_ID_FILE = "run-id"
 """The file in a run folder that holds its id."""
 RUN_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 """A run id as ``run-id`` holds it and checkpoints carry it: a uuid4's 32 hex digits."""
+
+
+def _open_lock(path: Path) -> int | None:
+    """The run folder's lock file opened (made if missing) for :meth:`RunPaths.lock`, never through
+    a link; None where the folder cannot be written. One :class:`InputError` line for a link or
+    anything but a regular file there."""
+    try:  # (never through a link: the pid would be written into whatever it names)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise InputError(f"{path} is a symbolic link; remove it (ampguard keeps its lock there)") from None
+        if err.errno == errno.EISDIR:  # (review 52a: read as a folder that cannot be written, the run went on
+            # unlocked, and a second resume cut the first one's CSV while it wrote)
+            raise InputError(f"{path} is not a regular file; remove it (ampguard keeps its lock there)") from None
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path} is not a regular file; remove it (ampguard keeps its lock there)")
+    return fd
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open at ``fd`` (not removed, nor replaced by another)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _pid_in(fd: int) -> str | None:

@@ -61,3 +61,33 @@ def test_a_lock_file_that_is_a_folder_is_refused_not_skipped(tmp_path):
     with pytest.raises(InputError, match=rf"^{tmp_path / LOCK_FILE} is not a regular file; remove it \(ampguard keeps "
                                          r"its lock there\)$"):
         RunPaths.existing(tmp_path).lock()
+
+
+def _hold_then_let_go(folder, ready) -> None:
+    paths = RunPaths.existing(folder)
+    paths.lock()
+    ready.set()
+    import time
+
+    time.sleep(0.05)  # (inside the next one's patience)
+    paths.unlock()
+
+
+def test_a_lock_taken_while_its_holder_lets_go_is_the_one_the_folder_names(tmp_path):
+    # review 52j: the waiting process locked the file its holder removed as it let go, and a third
+    # made and locked a new one: two writers of one folder, and writer() said nobody wrote it
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    holder = context.Process(target=_hold_then_let_go, args=(tmp_path, ready), daemon=True)
+    holder.start()
+    assert ready.wait(30)
+    waiting = RunPaths.existing(tmp_path)
+    waiting.lock()  # (waits the holder out)
+    holder.join(30)
+    try:
+        assert (tmp_path / LOCK_FILE).is_file()
+        assert RunPaths.existing(tmp_path).writer() is not None
+        with pytest.raises(InputError, match="is being written by another process"):
+            RunPaths.existing(tmp_path).lock()
+    finally:
+        waiting.unlock()
