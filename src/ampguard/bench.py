@@ -1060,9 +1060,13 @@ def measure(
     # and the end of the cycle was cut back to the last whole cycle (7 asked, 4 kept, no interval): whole too
     if whole_cycles and rounds % len(cycle):
         asked, rounds = rounds, in_whole_cycles(rounds, len(cycle))
+        down = resolve is not None and rounds > max_rounds  # (review 52k: 1000 asked ran 1002, past the most)
+        rounds -= len(cycle) if down else 0
         fixed = "fixed rounds run" if resolve is None else "the rounds run"
-        print(f"  {case}: {'' if resolve is None else 'at least '}{rounds} rounds, not {asked}: {fixed} whole cycles "
-              f"of the {len(cycle)} round orders (every contender in every place alike)", flush=True)
+        least = "" if resolve is None or down else "at least "
+        within = f", within the {max_rounds} a case may run" if down else ""
+        print(f"  {case}: {least}{rounds} rounds, not {asked}: {fixed} whole cycles of the {len(cycle)} round orders"
+              f"{within} (every contender in every place alike)", flush=True)
     ran = _run_rounds(timed, device, case, steps=steps, orders=cycle, rounds=rounds, resolve=resolve,
                       budget_s=budget_s, max_rounds=max_rounds)
     # the results first, then the closes: an interrupt from here on (the rounds all ran) keeps them

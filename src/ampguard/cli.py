@@ -556,8 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive_int, default=30, help="steps per contender per round (default 30)")
     bench.add_argument("--rounds", type=_positive_int, default=7,
                        help="the least number of paired rounds a case runs (default 7); more are added until every "
-                       "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many, rounded up "
-                       "to whole cycles of the round orders)")
+                       "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many); rounded up "
+                       "to whole cycles of the round orders (with --resolve, down where that would pass 1000)")
     bench.add_argument("--batch", type=_positive_int, metavar="N",
                        help="every model's batch size (default each its own: mlp 64, nano 4, transformer 16, gpt2 8); a "
                        "bigger one makes a GPU step compute-bound, so host jitter stops showing in its time")

@@ -373,7 +373,7 @@ class FaultInjector:
                     self._armed = False
                     self.fired.add(self.current_step)
                     grad = grad.clone()
-                    grad.view(-1)[0] = value
+                    grad[(0,) * grad.dim()] = value  # (not view(-1): a channels_last gradient has no such view)
             return grad
 
         def arm(*_: Any) -> None:  # a forward of the model: its backward takes one injection

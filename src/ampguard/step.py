@@ -336,8 +336,8 @@ def _adopt_scaler(scaler: Any, precision: Precision) -> GuardedGradScaler:
     if overridden:
         raise ValueError(f"scaler=: {type(scaler).__name__} overrides GradScaler's "
                          f"{', '.join(name + '()' for name in overridden)}; the guard steps with a GuardedGradScaler "
-                         "made from its settings and state, so that code would not run: subclass "
-                         "ampguard.GuardedGradScaler instead")
+                         "made from its settings and state, so that code would not run: pass no scaler (the guard "
+                         "makes its own) or a subclass of ampguard.GuardedGradScaler")
     return GuardedGradScaler.from_scaler(scaler)
 
 

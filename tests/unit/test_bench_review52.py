@@ -38,6 +38,21 @@ def test_resolve_mode_rounds_up_the_least_rounds_to_whole_cycles_so_a_budget_sto
             in capsys.readouterr().out)
 
 
+def test_resolve_mode_rounds_down_where_up_would_pass_the_most_rounds(capsys):
+    # review 52k: --rounds 1000 with three contenders (a cycle of 6 orders) ran 1002, past the 1000 a case may run
+    from ampguard.bench import Bare, BareAgain, _mlp, measure
+
+    class BareB(Bare):
+        name = "bare loop (B)"
+
+    cpu, fp32 = torch.device("cpu"), Precision("fp32", "cpu")
+    results = measure(_mlp(cpu), fp32, cpu, [Bare, BareAgain, BareB], steps=1, rounds=10, warmup=1, fused=False,
+                      resolve=0.01, budget_s=0.0, max_rounds=10)
+    assert [len(r.rounds) for r in results] == [6] * 3  # (whole cycles within the most: 6, not 12)
+    assert ("tiny-mlp fp32: 6 rounds, not 10: the rounds run whole cycles of the 6 round orders, within the 10 a case "
+            "may run" in capsys.readouterr().out)
+
+
 def test_quick_takes_rounds_past_the_most_a_resolve_may_take_and_the_refusal_names_the_verb(capsys):
     # review 52b #4: --quick turns --resolve off and sets its own rounds, yet `--quick --rounds 2000` was refused
     # for the --resolve it overrides, in a line without the "bench:" every other bench refusal has

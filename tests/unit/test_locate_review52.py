@@ -234,3 +234,17 @@ def test_locate_does_not_say_injected_a_grad_fault_its_replay_did_not_fire(cli):
     assert head.startswith("locate: step 2 of task linear (seed 0) with nan_loss@2 injected (inf_grad@2 not: it did "
                            "not fire, no backward reached a parameter)"), head
     assert message.endswith("FP32 replay is not finite either: the injected nan_loss@2, not a precision problem"), message
+
+
+def test_a_gradient_fault_lands_on_a_channels_last_gradient():
+    # review 52k: grad.view(-1)[0] raised on a channels_last conv gradient (no such view), mid-run
+    from ampguard.faults import FaultInjector, parse_fault
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 2, 3, padding=1, bias=False)).to(
+        memory_format=torch.channels_last)
+    injector = FaultInjector([parse_fault("inf_grad@1")])
+    injector.attach(model)
+    for x, y in injector.wrap_data([(torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last),
+                                     torch.zeros(2, 2, 3, 3))]):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert sum(int(torch.isinf(p.grad).sum()) for p in model.parameters()) == 1
