@@ -11,6 +11,22 @@ from helpers import one_error_line
 
 from ampguard.checkpointer import DATA_NEXT
 
+PASSES = '''
+
+def passes(batch):  # data: one pass of 8 batches; batches_from(start): the passes from micro-batch start on
+    def data():
+        for i in range(8):
+            yield batch(i)
+
+    def batches_from(start):
+        i = start
+        while True:
+            yield batch(i % 8)
+            i += 1
+
+    return data, batches_from
+'''
+
 FACTORY = '''
 import torch
 from torch import nn
@@ -24,18 +40,9 @@ def batch(i):
 
 
 def build(config):
-    def data():
-        for i in range(8):
-            yield batch(i)
-
-    def batches_from(start):
-        i = start
-        while True:
-            yield batch(i % 8)
-            i += 1
-
+    data, batches_from = passes(batch)
     return {{"model": nn.Linear(4, 1), "data": data, "loss_fn": nn.functional.mse_loss, "batches_from": batches_from}}
-'''
+''' + PASSES
 
 
 def test_a_resume_whose_data_now_draws_other_batches_at_its_position_is_refused(cli, tmp_path):
@@ -112,15 +119,7 @@ def batch(i):
 
 
 def build(config):
-    def data():
-        for i in range(8):
-            yield batch(i)
-
-    def batches_from(start):
-        i = start
-        while True:
-            yield batch(i % 8)
-            i += 1
+    data, batches_from = passes(batch)
 
     def one_pass(start):  # (the run's batches exactly: none after its last)
         yield from (batch(i) for i in range(start, 8))
@@ -128,7 +127,7 @@ def build(config):
     return {"model": Model(), "data": data, "loss_fn": nn.functional.mse_loss,
             "batches_from": one_pass if config.task.options.get("one_pass") else batches_from,
             "held_out": [batch(99)]}
-'''
+''' + PASSES
 
 
 def test_a_batch_of_plain_objects_resumes_and_a_stream_of_exactly_the_runs_batches_finishes(cli, tmp_path):
