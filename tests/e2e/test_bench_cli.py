@@ -277,8 +277,8 @@ def test_bench_help_says_what_rounds_does(capsys):
     # (review 26 #3: both said the 95% interval decides; the rule decides on the 99% one, from 8
     # rounds, at the end of a whole cycle of the orders; and fixed rounds run whole cycles)
     assert ("--rounds ROUNDS the least number of paired rounds a case runs (default 7); more are added until every "
-            "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many, rounded up to whole "
-            "cycles of the round orders)") in text
+            "ratio is resolved as --resolve says or --budget runs out (--resolve 0: this many); rounded up to whole "
+            "cycles of the round orders (with --resolve, down where that would pass 1000)") in text
     assert ("--resolve PCT add rounds until every ratio's 99% interval (which holds the 95% one reported) is within "
             "±PCT%, judged at the end of each whole cycle of the round orders from 8 rounds on (0: just --rounds, in "
             "whole cycles)") in text
