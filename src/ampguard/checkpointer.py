@@ -1089,7 +1089,7 @@ def check_data_next(loaded: Loaded, data: Any) -> None:
     no ``batches_from``: reading it to its position at each save would cost a pass) or for a
     stream that seeks by reading (``data.task.batches_from`` None)."""
     saved = loaded.payload.get(DATA_NEXT)
-    if saved is None or data.task.batches_from is None:
+    if saved is None or data.task.batches_from is None or not data.task.side_reads:
         return
     if data.fingerprint() not in (saved, None):  # (None: a batch whose text is no fingerprint: not compared)
         raise InputError(f"{loaded.path}: the data's batch at its position (micro-batch {data.position}, counted from "

@@ -224,12 +224,13 @@ class RunPaths:
                     os.close(fd)
                     return
                 break
-            if _names(path, fd):
-                break
+            if _names(path, fd) or time.monotonic() >= patience:  # (a file system whose stat and fstat never
+                break  # agree: held as before, not a loop for ever; review 52l)
             # the holder let go and took its file away (unlock) while this one waited on it: the lock held
             # is of a file no longer there, beside which a third process makes and holds a new one (review
             # 52j: two writers of one folder); the lock is taken again on the file the folder names
             os.close(fd)
+            time.sleep(0.001)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode("ascii"))

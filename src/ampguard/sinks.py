@@ -1177,6 +1177,10 @@ def _json_value(who: str, name: str, value: Any) -> Any:
     """
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
+    if isinstance(value, numbers.Integral):  # (NumPy's integers; a Fraction, a Decimal: review 52l)
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
     size = value.numel() if hasattr(value, "numel") and callable(value.numel) else getattr(value, "size", None)
     if size == 1 and callable(getattr(value, "item", None)):  # (a tensor or a NumPy scalar or array of one value)
         item = value.item()

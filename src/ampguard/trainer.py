@@ -160,8 +160,6 @@ class Trainer:
             ck.check_resume(resume, config, self.dist.world_size, self.dist.rank)
         faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
         self.task = _build_task(config, self.dist.world_size)
-        if resume is None and (unread := eval_unread(config, self.task)):  # (a training run's settings: not
-            warnings.warn(unread, AmpguardWarning, stacklevel=2)          # validate's nor locate's; said once)
         if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
             warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
                           "statistics frozen) and trains so: call model.train() in the factory to train it in train "
@@ -233,6 +231,11 @@ class Trainer:
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
         self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
+        # a training run's settings (not validate's nor locate's), said once: by the run, or by the resume that
+        # gave them (review 52l: eval.batches set on a resume was a POLICY line, as if it took effect)
+        if (resume is None or any(c["key"] in ("eval.every", "eval.batches") for c in self.policy_new)) and (
+                unread := eval_unread(config, self.task)):
+            warnings.warn(unread, AmpguardWarning, stacklevel=2)
         if resume is not None:
             ck.check_left_to_train(resume, config, self.policy_new)
         # the next step's LR, as the checkpoint's schedule left it (its get_last_lr: on the fast path,
@@ -336,7 +339,7 @@ class Trainer:
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {}),
                         **({ck.DATA_ID: self.task.data_id} if self.task.data_id else {}),
-                        **({ck.DATA_NEXT: fingerprint} if self.task.batches_from is not None
+                        **({ck.DATA_NEXT: fingerprint} if self.task.batches_from is not None and self.task.side_reads
                            and (fingerprint := self.data.fingerprint()) else {}),
                         **({ck.THROUGHPUT: said} if (said := self._throughput_said()) else {}),
                         **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {}),
@@ -386,9 +389,9 @@ class Trainer:
                 try:
                     self.sinks.close()
                 except Exception as err:  # a sink's last write failing is the run's crash, with its card; it
-                    # replaced the crash being handled, and no card nor run_end was written (review 52d); an
-                    # interrupt stays one (review 52i: its 130 became 1)
-                    if crashed is None and clean:
+                    # replaced the crash being handled, and no card nor run_end was written (review 52d); a stop
+                    # stays one, an interrupt's or a guard's (reviews 52i, 52l: its 130 became 1)
+                    if crashed is None and clean and stopped is None:
                         crashed, clean = err, False
                     else:
                         warnings.warn(f"a sink failed as it closed: {first_line(err, with_type=True)}",

@@ -301,6 +301,31 @@ def test_a_sink_failing_as_it_closes_after_an_interrupt_leaves_it_an_interrupt(c
     assert "interrupted" in (Path("runs/i") / "RUN.md").read_text()
 
 
+def test_a_sink_failing_as_it_closes_after_a_first_ctrl_c_leaves_the_stop_and_its_checkpoint(cli, monkeypatch):
+    # review 52l: after the stop a first Ctrl-C asks for (at the step's end), a sink failing at close made the
+    # run a crash: exit 1, "crashed" on the card, no checkpoint of the stop
+    import os
+    import signal
+
+    from ampguard.sinks import CsvSink
+    from ampguard.step import AmpTrainState
+
+    real_step = AmpTrainState.step
+
+    def step(self, *batch):
+        if self.steps == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # (the run's handler: a stop at this step's end)
+        return real_step(self, *batch)
+
+    monkeypatch.setattr(AmpTrainState, "step", step)
+    monkeypatch.setattr(CsvSink, "close", lambda self: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    code, out, err = cli("train", *SHORT, "--set", "log.dir=runs", "--set", "log.name=f")
+    assert code == ExitCode.INTERRUPTED, (code, err)
+    assert "a sink failed as it closed: OSError: [Errno 5] Input/output error" in err, err
+    assert (Path("runs/f") / "checkpoints" / "step-00000002.pt").is_file()
+    assert "interrupted" in (Path("runs/f") / "RUN.md").read_text()
+
+
 def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_file(disk_full_runs):
     code, out, err, run = disk_full_runs["checkpoint"]
     assert code == ExitCode.DISK_FULL, (code, err)

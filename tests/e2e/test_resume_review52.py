@@ -9,6 +9,7 @@ import torch
 
 from helpers import one_error_line
 
+from ampguard import checkpointer as ck
 from ampguard.checkpointer import DATA_NEXT
 
 PASSES = '''
@@ -89,6 +90,9 @@ def test_an_eval_setting_the_task_does_not_read_is_said_by_the_run_not_its_resum
     assert code == 0 and err.count(line) == 1, err
     code, out, err = cli("train", "--resume", str(tmp_path / "runs" / "e" / "checkpoints" / "step-00000002.pt"))
     assert code == 0 and line not in err, err
+    # (one a resume gives is said by it: review 52l, it was a POLICY line as if it took effect)
+    code, out, err = cli("train", "--resume", str(tmp_path / "runs" / "e"), "--set", "steps=6", "--set", "eval.batches=5")
+    assert code == 0 and err.count(line) == 1, err
 
 
 OBJECTS = '''
@@ -143,3 +147,41 @@ def test_a_batch_of_plain_objects_resumes_and_a_stream_of_exactly_the_runs_batch
     assert code == 0, err
     code, out, err = cli("train", *run, "--set", "log.name=p", "--set", "task.options.one_pass=true")
     assert code == 0 and (tmp_path / "runs" / "p" / "RUN.md").is_file(), err
+
+
+PERSISTENT = '''
+import itertools
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+g = torch.Generator().manual_seed(5)
+X, Y = torch.arange(48.0).reshape(12, 4) / 48, torch.randn(12, 1, generator=g)
+
+
+def build(config):
+    loader = DataLoader(TensorDataset(X, Y), batch_size=3, num_workers=1, persistent_workers=True)
+
+    def batches_from(start):  # (data's own loader: its iter() is the run's iterator started over)
+        def passes():
+            while True:
+                yield from loader
+        return itertools.islice(passes(), start, None)
+
+    return {"model": nn.Linear(4, 1), "data": loader, "loss_fn": nn.functional.mse_loss, "batches_from": batches_from}
+'''
+
+
+def test_checkpoints_leave_a_run_reading_a_persistent_workers_loader_as_without_them(cli, tmp_path):
+    # review 52l: a checkpoint's look at the next batch (data_next) through batches_from started the run's own
+    # persistent-workers iterator over: the run skipped a batch at each checkpoint, unsaid
+    (tmp_path / "pw.py").write_text(PERSISTENT, encoding="utf-8")
+    run = ["--set", f"task.factory={tmp_path / 'pw.py'}:build", "--set", "device=cpu", "--set", "precision=fp32",
+           "--set", "steps=6", "--set", "log.plot=false", "--set", "eval.enabled=false"]
+    assert cli("train", *run, "--set", "log.name=ck", "--set", "checkpoint.every=2")[0] == 0
+    assert cli("train", *run, "--set", "log.name=no", "--set", "checkpoint.enabled=false")[0] == 0
+    rows = {name: [line.split(",")[:5] for line in (tmp_path / "runs" / name / "steps.csv").read_text().splitlines()]
+            for name in ("ck", "no")}
+    assert rows["ck"] == rows["no"]
+    assert ck.DATA_NEXT not in torch.load(tmp_path / "runs" / "ck" / "checkpoints" / "step-00000002.pt",
+                                          weights_only=True)

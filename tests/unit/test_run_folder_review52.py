@@ -91,3 +91,17 @@ def test_a_lock_taken_while_its_holder_lets_go_is_the_one_the_folder_names(tmp_p
             RunPaths.existing(tmp_path).lock()
     finally:
         waiting.unlock()
+
+
+def test_a_lock_whose_file_never_reads_as_the_folders_ends_held_not_in_a_loop(tmp_path, monkeypatch):
+    # review 52l: where stat and fstat never agree (a file system's quirk), the re-take looped for ever
+    import time
+
+    monkeypatch.setattr("ampguard.run_folder._names", lambda path, fd: False)
+    paths = RunPaths.existing(tmp_path)
+    began = time.monotonic()
+    paths.lock()
+    try:
+        assert time.monotonic() - began < 5 and paths._lock is not None
+    finally:
+        paths.unlock()

@@ -70,6 +70,11 @@ class Task:
     release: Callable[[], None] | None = None
     """``release()`` stops what reading ``batches()`` started and a run no longer reads (a
     ``DataLoader``'s persistent workers): called once the run's loop is over. Optional."""
+    side_reads: bool = True
+    """Whether the stream can be read beside the run's (a checkpoint's look at the next batch,
+    ``data_next``) without moving the run's: not a factory's whose ``batches_from`` may read a
+    ``DataLoader`` with persistent workers, whose ``iter()`` starts the run's own iterator over
+    (review 52l: each checkpoint's look moved the run a batch on)."""
     generators: tuple[torch.Generator, ...] = ()
     """The data's own generators (a factory's ``DataLoader``'s and its samplers'): a read beside
     the run's (a checkpoint's :meth:`~ampguard.data.DataStream.digest`) puts them back after it,

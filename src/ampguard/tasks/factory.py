@@ -352,6 +352,8 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
         batches_from=None if seek is None else functools.partial(_seeked, seek, spec, rewind),
         release=release,
         generators=tuple(generators),
+        side_reads=seek is None or not any(
+            loader.persistent_workers and loader.num_workers > 0 for loader in [*loaders, *_reached(seek)[1]]),
     )
 
 
