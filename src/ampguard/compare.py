@@ -29,10 +29,10 @@ from .errors import ExitCode, InputError, failed_because, first_line
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
-from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at, finite_points,
-                     judged_at_end, panel_title, plot_metadata, policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of,
-                     rolling_skip_rate, scale_restarts, segment_ends, shown, threshold_by_step, threshold_line,
-                     threshold_text, whole_steps)
+from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at,
+                     finite_points, import_pyplot, judged_at_end, panel_title, plot_metadata, policy_changes_of,
+                     read_card, read_held_out, reading_notes, replay, rollbacks_of, rolling_skip_rate, scale_restarts,
+                     segment_ends, shown, threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
 from .sinks import Row, read_steps_and_columns
@@ -290,6 +290,7 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     and 1e308 in an edited CSV) put the loss panel on a symmetric log axis; values matplotlib still
     cannot lay an axis out for are an :class:`InputError`, with nothing written.
     """
+    import_pyplot()
     with warnings.catch_warnings():  # (numpy's overflow notes on values near the float maximum)
         warnings.simplefilter("ignore", RuntimeWarning)
         return _plot_overlay(runs, png)

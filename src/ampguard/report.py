@@ -907,6 +907,21 @@ def shown(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+def import_pyplot() -> None:
+    """matplotlib's pyplot imported (on the Agg backend) with the stop signals held, by a verb that
+    draws outside a run (``report``, ``compare``): a Ctrl-C or SIGTERM in the import reached
+    matplotlib wrapped in a ``RuntimeError`` that its ``except Exception`` around its 3-D import
+    swallowed, and the verb drew and exited 0 (review 52m); held, it stops the verb as the import
+    ends. A run's own handlers only take note: ``plot_run`` imports it there itself."""
+    from .signals import held_signals
+
+    with held_signals():
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+
+
 def plot_run(
     csv_path: str | Path,
     png_path: str | Path,
@@ -1850,6 +1865,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     title = f"run {target.resolve().name}" if target.is_dir() else None
     mon = judged.monitor
     if plot:
+        import_pyplot()
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,

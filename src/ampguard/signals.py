@@ -624,8 +624,12 @@ def settled(code: int) -> None:
     """
     import threading
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    # (review 52m: a Ctrl-C in the start-up's held import decided 130 before terminated_as_interrupted's settle;
+    # SIGTERM kept its default through the teardown, and one then killed the process, -15)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         return
 
     def leave(signum: int, frame: Any) -> None:

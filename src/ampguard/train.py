@@ -83,8 +83,13 @@ def finish(result: RunResult) -> ExitCode:
     if result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED, ExitCode.BROKEN_PIPE):
         import sys
 
-        where = f"; {result.monitor.steps} complete rows in {csv_path}" if csv_path else ""
-        print(f"interrupted after step {result.monitor.steps}{where}", file=sys.stderr)
+        # (review 52m: no "ampguard:", "1 complete rows", and no word of the checkpoint --resume takes, which
+        # after a second signal may be older than the step named, or none)
+        rows = f"; {counted(result.monitor.steps, 'complete row')} in {csv_path}" if csv_path else ""
+        saved = result.checkpoints[-1].name if result.checkpoints else None
+        resume = (f"; --resume goes on from checkpoints/{saved}" if saved else "; no checkpoint to --resume from"
+                  ) if run_dir is not None else ""
+        print(f"ampguard: interrupted after step {result.monitor.steps}{rows}{resume}", file=sys.stderr)
     elif result.exit_code == ExitCode.BAD_INPUT:  # a batch found bad mid-run: the steps before it stand
         import sys
 
@@ -155,7 +160,12 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
                      announce=announce, take_back=take_back)
         distributed.ending()  # (the code is decided: torchrun's SIGTERM, once a peer left with it, must not change it)
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
-        return finish(result)
+        try:
+            return finish(result)
+        except KeyboardInterrupt:  # (Interrupted among them) the code is decided and the card written: a signal
+            # while the closing lines are printed ends the printing, not the run's code (review 52m: a finished
+            # run exited 143, a guard's stop 143 for its 3, "ampguard: interrupted" said of a run that was not)
+            return result.exit_code
     except BaseException as err:
         # (the rank's end: torchrun's SIGTERM to the ranks left must neither cut the taking back short nor
         # turn a crash, whose traceback is the end, into a stop)

@@ -587,10 +587,11 @@ def _assert_complete_rows(csv_path: Path, err: str, at_least: int) -> list[dict[
             if r["skipped"] == "1" and name.startswith("grad_l2"):
                 continue  # may be empty on a skipped row
             number(r[name])
-    counted = re.search(r"(\d+) complete rows", err)
+    counted = re.search(r"(\d+) complete rows?", err)
     assert counted, err  # the interrupted run says how many rows it kept
     assert int(counted.group(1)) == len(rows)
-    assert f"interrupted after step {len(rows)}; {len(rows)} complete rows in " in err
+    kept = f"{len(rows)} complete row" + ("s" if len(rows) != 1 else "")
+    assert f"ampguard: interrupted after step {len(rows)}; {kept} in " in err
     return rows
 
 

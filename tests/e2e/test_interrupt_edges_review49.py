@@ -31,7 +31,9 @@ def test_a_ctrl_c_that_torch_save_wraps_in_its_own_error_is_an_interrupt_not_a_c
     assert "Traceback" not in err, err
     # (the error torch raised as the interrupt unwound is said, not lost: review 49h)
     assert "raised while the interrupt unwound: RuntimeError: [enforce fail at inline_container.cc:672]" in err, err
-    assert "interrupted after step 4; 4 complete rows" in err, err
+    # (the checkpoint --resume takes named: the one whose save the interrupt cut is none; review 52m)
+    assert ("ampguard: interrupted after step 4; 4 complete rows in runs/r/steps.csv; --resume goes on from "
+            "checkpoints/step-00000002.pt") in err, err
     run = tmp_path / "runs" / "r"
     assert "| ended | interrupted (Ctrl-C) after step 4 |" in (run / "RUN.md").read_text()
     assert [r["step"] for r in read_rows(run / "steps.csv")] == ["1", "2", "3", "4"]

@@ -225,7 +225,8 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(paused, phase):
         assert not runs.exists()
     else:  # before_step_1: the run's handler holds it to the end of step 1, then closes it as a stop does
         run = runs / "s"
-        assert err.splitlines()[-1] == "interrupted after step 1; 1 complete rows in runs/s/steps.csv", err
+        assert err.splitlines()[-1] == ("ampguard: interrupted after step 1; 1 complete row in runs/s/steps.csv; "
+                                        "--resume goes on from checkpoints/step-00000001.pt"), err
         assert [r["step"] for r in _rows(run / "steps.csv")] == ["1"]
         assert _card(run)["ended"] == "interrupted (Ctrl-C) after step 1"
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001.pt"]
