@@ -46,6 +46,10 @@ lets go of it when that process ends, however it ends."""
 LOCK_PATIENCE_S = 0.15
 """How long :meth:`RunPaths.lock` tries again before it refuses: a reader's look at the lock
 (:meth:`RunPaths.writer`) holds it shared for microseconds, a run that trains for its whole run."""
+MAX_RETAKES = 100
+"""How many times :meth:`RunPaths.lock` takes the lock again on the file the folder names once the
+one it locked was let go and removed meanwhile (a race resolves in one or two; a file system whose
+stat and fstat never agree would loop)."""
 
 
 def taken(run_dir: Path) -> InputError:
@@ -205,7 +209,7 @@ class RunPaths:
         path = self.dir / LOCK_FILE
         # a reader's look (writer(): report, compare) holds a shared lock for microseconds: tried again for a
         # moment before the refusal (review 52c: a resume beside a polling report was refused, naming a dead pid)
-        patience = time.monotonic() + LOCK_PATIENCE_S
+        patience, retakes = time.monotonic() + LOCK_PATIENCE_S, 0
         while True:
             fd = _open_lock(path)
             if fd is None:
@@ -224,8 +228,9 @@ class RunPaths:
                     os.close(fd)
                     return
                 break
-            if _names(path, fd) or time.monotonic() >= patience:  # (a file system whose stat and fstat never
-                break  # agree: held as before, not a loop for ever; review 52l)
+            if _names(path, fd) or retakes >= MAX_RETAKES:  # (a file system whose stat and fstat never agree: held
+                break  # as before, not a loop for ever, review 52l; counted, not timed: a holder letting go at the
+            retakes += 1  # patience's end left a second writer, review 52n)
             # the holder let go and took its file away (unlock) while this one waited on it: the lock held
             # is of a file no longer there, beside which a third process makes and holds a new one (review
             # 52j: two writers of one folder); the lock is taken again on the file the folder names

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import (AmpguardWarning, InputError, brief, counted, failed_because, first_line, has_control, plain_digits,
-                     shown, whole_number)
+                     shortened, shown, whole_number)
 from .files import DiskFull, disk_full_error, is_temporary, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
@@ -1177,10 +1177,13 @@ def _json_value(who: str, name: str, value: Any) -> Any:
     """
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
-    if isinstance(value, numbers.Integral):  # (NumPy's integers; a Fraction, a Decimal: review 52l)
+    if isinstance(value, numbers.Integral):  # (NumPy's integers)
         return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
+    if isinstance(value, numbers.Real):  # (a Fraction: review 52l)
+        try:
+            return float(value)
+        except OverflowError:  # (one past float's range: named, review 52n)
+            raise ValueError(f"{who}: extra {name!r} is {shortened(str(value), 40)}, past a float's range") from None
     size = value.numel() if hasattr(value, "numel") and callable(value.numel) else getattr(value, "size", None)
     if size == 1 and callable(getattr(value, "item", None)):  # (a tensor or a NumPy scalar or array of one value)
         item = value.item()

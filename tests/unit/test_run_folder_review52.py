@@ -105,3 +105,33 @@ def test_a_lock_whose_file_never_reads_as_the_folders_ends_held_not_in_a_loop(tm
         assert time.monotonic() - began < 5 and paths._lock is not None
     finally:
         paths.unlock()
+
+
+def test_a_holder_letting_go_as_the_patience_ends_leaves_one_writer(tmp_path, monkeypatch):
+    # review 52n: the re-take ended with the patience; a holder letting go at its end left the waiting process
+    # holding a removed file's lock, and a third locked the folder beside it
+    import threading
+    import time
+
+    from ampguard import run_folder
+    from ampguard.run_folder import LOCK_PATIENCE_S
+
+    holder = RunPaths.existing(tmp_path)
+    holder.lock()
+    threading.Timer(LOCK_PATIENCE_S - 0.002, holder.unlock).start()
+    named = run_folder._names
+
+    def slow(path, fd):  # (the look at the name lands after the patience: a loaded machine, a slow stat)
+        time.sleep(0.01)
+        return named(path, fd)
+
+    monkeypatch.setattr(run_folder, "_names", slow)
+    waiting = RunPaths.existing(tmp_path)
+    waiting.lock()
+    monkeypatch.setattr(run_folder, "_names", named)
+    try:
+        assert named(tmp_path / LOCK_FILE, waiting._lock)
+        with pytest.raises(InputError, match="is being written by another process"):
+            RunPaths.existing(tmp_path).lock()
+    finally:
+        waiting.unlock()

@@ -60,6 +60,15 @@ def test_the_json_lines_sink_refuses_an_extra_of_several_values_naming_it_and_wr
     assert (line["flag"], line["np_flag"], line["count"], line["half"]) == (True, False, 3, 0.5)
 
 
+def test_a_fraction_past_a_floats_range_is_refused_naming_the_extra(tmp_path):
+    from fractions import Fraction
+
+    sink = JsonlSink(tmp_path / "s.jsonl")
+    with pytest.raises(ValueError, match=r"extra 'huge' is .*, past a float's range"):  # (review 52n: OverflowError)
+        sink.write(_row(1), {"huge": Fraction(10 ** 400)})
+    sink.close()
+
+
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])
 def test_a_console_sink_refuses_an_every_that_is_no_whole_number_from_1(every):
     with pytest.raises(ValueError, match=r"ConsoleSink: every must be a whole number >= 1"):
