@@ -738,14 +738,24 @@ def finished(card: Path, events: LoggedEvents | None = None) -> bool:
         ...     missing, done, stopped, finished(card)
         (False, True, False, True)
     """
+    end = _last_end(card, events)
+    return end is not None and judged_at_end(end[0])
+
+
+def _last_end(card: Path, events: LoggedEvents | None = None) -> tuple[str, int | None, str] | None:
+    """How a run said it ended: its card's words (a Trainer's card in its ``ended`` row), or,
+    where the card cannot say (none, a folder, not text), its last ``run_end`` event's; with the
+    step it ended at (the card's from its words, :data:`_ENDED_STEP`, None where they name none)
+    and what said it. None where neither says. (:func:`finished` and :func:`ended_at` read it.)"""
     try:  # (a Trainer's card says it in its `ended` row: it read as no card, and the event log decided)
         ended = trainer_card_ended(card, errors="replace")
     except OSError:
         ended = "unknown"
     if ended != "unknown":
-        return judged_at_end(ended)
+        found = _ENDED_STEP.match(ended)
+        return ended, int(found[1] or found[2]) if found else None, "its card"
     ends = _events_kept(events or card.parent, lambda event: event.get("event") == "run_end")
-    return bool(ends) and judged_at_end(str(ends[-1].get("message", "")))
+    return (str(ends[-1].get("message", "")), ends[-1]["step"], "its run_end event") if ends else None
 
 
 def judged_at_end(ended: str) -> bool:
@@ -791,16 +801,10 @@ def ended_at(card: Path, events: LoggedEvents | None = None) -> tuple[int, str] 
         ...     done, stopped, ended_at(card)
         ((20, 'its card'), None, (20, 'its run_end event'))
     """
-    try:
-        ended = trainer_card_ended(card, errors="replace")
-    except OSError:
-        ended = "unknown"
-    if ended != "unknown":
-        found = _ENDED_STEP.match(ended) if judged_at_end(ended) else None
-        return (int(found[1] or found[2]), "its card") if found else None
-    ends = _events_kept(events or card.parent, lambda event: event.get("event") == "run_end")
-    return (ends[-1]["step"], "its run_end event") if ends and judged_at_end(str(ends[-1].get("message", ""))) \
-        else None
+    end = _last_end(card, events)
+    if end is None or not judged_at_end(end[0]) or end[1] is None:
+        return None
+    return end[1], end[2]
 
 
 def cut_short(rows: Sequence[Row], torn: Sequence[str], ended: tuple[int, str] | None) -> bool:
