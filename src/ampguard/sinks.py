@@ -1783,6 +1783,19 @@ def newly_lost(sinks: Sequence[Any], told: list[Any]) -> list[str]:
     return [sink.lost for sink in lost]
 
 
+def _on_each(sinks: Sequence[Any], call: Callable[[Any], None]) -> None:
+    """``call(sink)`` for every one of ``sinks``, the first error raised once all were called (a
+    sink failing does not leave the ones after it unclosed or their tracker runs unended)."""
+    errors = []
+    for sink in sinks:
+        try:
+            call(sink)
+        except Exception as err:  # noqa: BLE001 - raised below, once the others were called
+            errors.append(err)
+    if errors:
+        raise errors[0]
+
+
 class Sinks:
     """Several sinks as one.
 
@@ -1830,30 +1843,19 @@ class Sinks:
     def close(self) -> None:
         """Every sink closed, the first error other than a full disk raised after the others
         closed (review 52d: a sink failing stopped the loop, the tracker runs after it left open)."""
-        errors = []
-        for sink in list(self.sinks):
+        def close(sink: Sink) -> None:
             try:
                 sink.close()
             except DiskFull as full:
                 self._drop(sink, full, through=None)
-            except Exception as err:  # noqa: BLE001 - raised below, once the others closed
-                errors.append(err)
-        if errors:
-            raise errors[0]
+
+        _on_each(list(self.sinks), close)
 
     def finish(self, result: Any) -> None:
         """After the run card is written: the sinks that end a tracker run (``finish(result)``)
         upload the run folder's files and end it; every one of them, the first error raised after
         (one that failed left the next one's run FAILED, with no totals: review 50f)."""
-        errors = []
-        for sink in self.sinks:
-            if hasattr(sink, "finish"):
-                try:
-                    sink.finish(result)
-                except Exception as err:  # noqa: BLE001 - raised below, once the others ended
-                    errors.append(err)
-        if errors:
-            raise errors[0]
+        _on_each([sink for sink in self.sinks if hasattr(sink, "finish")], lambda sink: sink.finish(result))
 
     def newly_lost(self) -> list[str]:
         """:func:`newly_lost` of these sinks, for the run's event log."""
