@@ -22,7 +22,7 @@ from .build import to_device
 from .errors import InputError, counted
 from .faults import FaultInjector
 from .tasks import Batch, Task
-from .tasks.base import NO_EXAMPLES, holds_no_examples
+from .tasks.base import NO_EXAMPLES, generators_kept, holds_no_examples
 
 
 class DataStream:
@@ -130,13 +130,10 @@ class DataStream:
         generators) left where they were."""
         from .untouched import rng_kept
 
-        kept = [generator.get_state() for generator in self.task.generators]
-        try:
-            with rng_kept():  # a factory's stream may draw (a shuffle): the run's draws stay where they were
-                return next(iter(self.task.stream(self.position)))
-        finally:  # (and the data's own generators: its batches_from may read the loader the run reads)
-            for generator, state in zip(self.task.generators, kept):
-                generator.set_state(state)
+        # a factory's stream may draw (a shuffle): the run's draws stay where they were, the global RNGs'
+        # and the data's own generators' (its batches_from may read the loader the run reads)
+        with generators_kept(self.task.generators), rng_kept():
+            return next(iter(self.task.stream(self.position)))
 
     def next(self, first_step: int) -> Batch:
         """The next micro-batch. ``first_step`` is the step the stream's next batch belongs to when

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,28 @@ class Task:
         return self.predict(model, inputs) if self.predict is not None else model(inputs)
 
 
+@contextlib.contextmanager
+def generators_kept(generators: Sequence[torch.Generator]) -> Iterator[None]:
+    """The ``generators``' states put back as the block ends, however it ends: a read of the data
+    beside the run's (the start-up's look at its first batches, a checkpoint's at the next) leaves
+    the run's draws from the data's own generators where they were.
+
+    Example::
+
+        >>> g = torch.Generator().manual_seed(0)
+        >>> with generators_kept([g]):
+        ...     _ = torch.rand(1, generator=g)
+        >>> torch.equal(torch.rand(1, generator=g), torch.rand(1, generator=torch.Generator().manual_seed(0)))
+        True
+    """
+    kept = [generator.get_state() for generator in generators]
+    try:
+        yield
+    finally:
+        for generator, state in zip(generators, kept):
+            generator.set_state(state)
+
+
 NO_EXAMPLES = ("holds no examples: its inputs' first dimension is 0 (every step on it would be skipped as a "
                "non-finite loss)")
 """What is said of a batch :func:`holds_no_examples` finds, at start-up and mid-run."""
@@ -124,6 +147,8 @@ def holds_no_examples(inputs: Any) -> bool:
         >>> holds_no_examples(torch.empty(0, 3)), holds_no_examples({"ids": torch.ones(2, 3)}), holds_no_examples(7)
         (True, False, False)
     """
+    if isinstance(inputs, torch.Tensor):  # (the common batch, each micro-batch: no tree walked)
+        return inputs.dim() > 0 and inputs.shape[0] == 0
     from torch.utils._pytree import tree_leaves
 
     sizes = [leaf.shape[0] for leaf in tree_leaves(inputs)

@@ -57,7 +57,7 @@ from ..faults import has_floating_input
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
 from ..untouched import rng_kept
-from .base import FIRST_BATCHES, NO_EXAMPLES, Task, cycle, holds_no_examples
+from .base import FIRST_BATCHES, NO_EXAMPLES, Task, cycle, generators_kept, holds_no_examples
 
 
 def factory_file(target: str) -> bool:
@@ -369,13 +369,8 @@ def _first_batches_joined(stream: Callable[[], Iterator[Any]], generators: list[
         >>> tuple(x.shape), y.tolist()
         ((3, 3), [0.0, 0.0, 1.0])
     """
-    kept = [generator.get_state() for generator in generators]
-    try:
-        with rng_kept():
-            pairs = list(itertools.islice(stream(), count))
-    finally:
-        for generator, state in zip(generators, kept):
-            generator.set_state(state)
+    with generators_kept(generators), rng_kept():
+        pairs = list(itertools.islice(stream(), count))
     return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
 
 
