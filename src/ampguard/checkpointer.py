@@ -1086,12 +1086,10 @@ def check_data_next(loaded: Loaded, data: Any) -> None:
     draws its batches otherwise now (another ampguard's built-in task, a factory's data or
     ``batches_from`` changed), and the resume would train on other batches than the run, unsaid.
     Nothing to compare in a checkpoint without one (an older ampguard's, a factory's stream with
-    no ``batches_from``: reading it to its position at each save would cost a pass) or for a
-    stream that seeks by reading (``data.task.batches_from`` None)."""
+    no ``batches_from``: reading it to its position at each save would cost a pass) nor where the
+    stream gives none now (:meth:`~ampguard.data.DataStream.fingerprint`)."""
     saved = loaded.payload.get(DATA_NEXT)
-    if saved is None or data.task.batches_from is None or not data.task.side_reads:
-        return
-    if data.fingerprint() not in (saved, None):  # (None: a batch whose text is no fingerprint: not compared)
+    if saved is not None and data.fingerprint() not in (saved, None):
         raise InputError(f"{loaded.path}: the data's batch at its position (micro-batch {data.position}, counted from "
                          "0) is not the one the run saved it before: the task draws its batches otherwise now "
                          "(another ampguard's built-in task, or a factory's data or batches_from changed), and a "

@@ -103,10 +103,13 @@ class DataStream:
 
     def fingerprint(self) -> str | None:
         """:meth:`digest` for a checkpoint to keep (``data_next``), where it says the batch alone:
-        None for a batch with a leaf whose text may hold more than its value (an object's ``repr``,
-        its address: review 52j, the same data's resume was refused) and for a stream that ends or
-        fails there (the batch after a run's last, which the run never reads: review 52j, a
-        ``batches_from`` of exactly the run's batches crashed the final save).
+        None for a stream that seeks by reading (no ``batches_from``: a look at the next batch would
+        read the whole stream to it) or that a read beside the run's would move
+        (:attr:`Task.side_reads <ampguard.tasks.Task.side_reads>`), for a batch with a leaf whose
+        text may hold more than its value (an object's ``repr``, its address: review 52j, the same
+        data's resume was refused) and for a stream that ends or fails there (the batch after a
+        run's last, which the run never reads: review 52j, a ``batches_from`` of exactly the run's
+        batches crashed the final save).
 
         Example::
 
@@ -116,6 +119,8 @@ class DataStream:
             >>> data.fingerprint() == data.digest()
             True
         """
+        if self.task.batches_from is None or not self.task.side_reads:
+            return None
         try:
             batch = self._peek_global()
         except Exception:  # noqa: BLE001 - the user's stream, past what the run reads: no fingerprint

@@ -339,8 +339,7 @@ class Trainer:
                         ck.TORCH_VERSION: str(torch.__version__), **({ck.RUN_ID: self.run_id} if self.run_id else {}),
                         **({ck.POLICY: list(self.policy)} if self.policy else {}),
                         **({ck.DATA_ID: self.task.data_id} if self.task.data_id else {}),
-                        **({ck.DATA_NEXT: fingerprint} if self.task.batches_from is not None and self.task.side_reads
-                           and (fingerprint := self.data.fingerprint()) else {}),
+                        **({ck.DATA_NEXT: fingerprint} if (fingerprint := self.data.fingerprint()) else {}),
                         **({ck.THROUGHPUT: said} if (said := self._throughput_said()) else {}),
                         **({ck.AUTOCAST_DTYPES: dict(self.autocast_dtypes)} if self.autocast_dtypes else {}),
                         **({ck.AUTOCAST_DTYPE_CHANGES: list(self.dtype_lines)} if self.dtype_lines else {})}
