@@ -63,29 +63,42 @@ def test_a_lock_file_that_is_a_folder_is_refused_not_skipped(tmp_path):
         RunPaths.existing(tmp_path).lock()
 
 
-def _hold_then_let_go(folder, ready) -> None:
-    paths = RunPaths.existing(folder)
-    paths.lock()
-    ready.set()
+def _letting_go_at_the_first_try(monkeypatch, holder, *, late: float = 0.0) -> None:
+    """``fcntl.flock`` as ``run_folder`` calls it: at the next process's first try of the lock, the
+    holder lets go (its file taken away), and the clock then reads ``late`` seconds on (past the
+    patience: the moment made, not waited for on a loaded machine)."""
+    import fcntl
     import time
 
-    time.sleep(0.05)  # (inside the next one's patience)
-    paths.unlock()
+    from ampguard import run_folder
+
+    shift, real_flock, real_clock = [0.0], fcntl.flock, time.monotonic
+
+    def flock(fd, how):
+        if holder._lock is not None and how == fcntl.LOCK_EX | fcntl.LOCK_NB:
+            holder.unlock()
+            shift[0] = late
+        return real_flock(fd, how)
+
+    monkeypatch.setattr(run_folder.fcntl, "flock", flock)
+    monkeypatch.setattr(run_folder.time, "monotonic", lambda: real_clock() + shift[0])
 
 
-def test_a_lock_taken_while_its_holder_lets_go_is_the_one_the_folder_names(tmp_path):
+@pytest.mark.parametrize("late", [0.0, 10.0])
+def test_a_lock_taken_while_its_holder_lets_go_is_the_one_the_folder_names(tmp_path, monkeypatch, late):
     # review 52j: the waiting process locked the file its holder removed as it let go, and a third
-    # made and locked a new one: two writers of one folder, and writer() said nobody wrote it
-    context = multiprocessing.get_context("fork")
-    ready = context.Event()
-    holder = context.Process(target=_hold_then_let_go, args=(tmp_path, ready), daemon=True)
-    holder.start()
-    assert ready.wait(30)
+    # made and locked a new one: two writers of one folder, and writer() said nobody wrote it; review 52n:
+    # so again where the holder let go as the patience ended (late: the re-take was bounded by it)
+    from ampguard import run_folder
+
+    holder = RunPaths.existing(tmp_path)
+    holder.lock()
+    _letting_go_at_the_first_try(monkeypatch, holder, late=late)
     waiting = RunPaths.existing(tmp_path)
-    waiting.lock()  # (waits the holder out)
-    holder.join(30)
+    waiting.lock()
+    monkeypatch.undo()
     try:
-        assert (tmp_path / LOCK_FILE).is_file()
+        assert run_folder._names(tmp_path / LOCK_FILE, waiting._lock)
         assert RunPaths.existing(tmp_path).writer() is not None
         with pytest.raises(InputError, match="is being written by another process"):
             RunPaths.existing(tmp_path).lock()
@@ -105,33 +118,3 @@ def test_a_lock_whose_file_never_reads_as_the_folders_ends_held_not_in_a_loop(tm
         assert time.monotonic() - began < 5 and paths._lock is not None
     finally:
         paths.unlock()
-
-
-def test_a_holder_letting_go_as_the_patience_ends_leaves_one_writer(tmp_path, monkeypatch):
-    # review 52n: the re-take ended with the patience; a holder letting go at its end left the waiting process
-    # holding a removed file's lock, and a third locked the folder beside it
-    import threading
-    import time
-
-    from ampguard import run_folder
-    from ampguard.run_folder import LOCK_PATIENCE_S
-
-    holder = RunPaths.existing(tmp_path)
-    holder.lock()
-    threading.Timer(LOCK_PATIENCE_S - 0.002, holder.unlock).start()
-    named = run_folder._names
-
-    def slow(path, fd):  # (the look at the name lands after the patience: a loaded machine, a slow stat)
-        time.sleep(0.01)
-        return named(path, fd)
-
-    monkeypatch.setattr(run_folder, "_names", slow)
-    waiting = RunPaths.existing(tmp_path)
-    waiting.lock()
-    monkeypatch.setattr(run_folder, "_names", named)
-    try:
-        assert named(tmp_path / LOCK_FILE, waiting._lock)
-        with pytest.raises(InputError, match="is being written by another process"):
-            RunPaths.existing(tmp_path).lock()
-    finally:
-        waiting.unlock()
