@@ -804,7 +804,8 @@ class Trainer:
             self._close(Stop(code, why, INTERRUPTED), alone=True)
             if self.dist.is_main:  # (no checkpoint is written here: the others' share of the state is out of reach)
                 saved = self.checkpointer.saved
-                resume = f"--resume goes on from {saved[-1].name}" if saved else "no checkpoint to --resume from"
+                resume = (f"--resume goes on from {saved[-1].parent.name}/{saved[-1].name}" if saved  # (as train's line)
+                          else "no checkpoint to --resume from")
                 print(f"ampguard: {why}; the rows up to step {self.monitor.steps} stand ({resume})",
                       file=sys.stderr, flush=True)
         finally:

@@ -588,7 +588,7 @@ def test_a_rank_stuck_in_a_collective_when_sigterm_comes_writes_the_card_alone_a
     assert f"| ended | {why} |" in (run / "RUN.md").read_text(encoding="utf-8")
     newest = sorted(p.name for p in (run / "checkpoints").glob("*.pt"))[-1]
     assert newest == f"step-{len(steps):08d}.pt"  # (checkpoint.every=1: the last step's, none of the stuck one)
-    assert f"ampguard: {why}; the rows up to step {len(steps)} stand (--resume goes on from {newest})" in err
+    assert f"ampguard: {why}; the rows up to step {len(steps)} stand (--resume goes on from checkpoints/{newest})" in err
 
 
 def test_a_sigterm_to_torchrun_stops_every_rank_at_one_boundary_with_card_and_checkpoint(launches):
