@@ -633,6 +633,11 @@ class Guard:
             models on a GPU. Inductor's arithmetic may differ from eager in the last bit.
     """
 
+    # the notes a raise leaves for a loop that catches it and goes on ("the next guard.backward()
+    # begins a new step"); ``ampguard train``, which ends the run at any raise and whose user never
+    # called the guard, turns them off (review 53e: a peer's death ended rank 0's traceback with it)
+    _loop_notes = True
+
     optimizer = _SetOnce()
     optimizers = _SetOnce()
     scheduler = _SetOnce()
@@ -1234,8 +1239,9 @@ class Guard:
         gradient, stayed), and a note says so."""
         if self._micro or self._backward_pending or any(p.grad is not None for p, _ in self._owned):
             self._abandon_group()
-            err.add_note(f"ampguard: Guard.{where}() refused the call: the open group was dropped (its gradients); "
-                         "the next guard.backward() begins a new step")
+            if self._loop_notes:
+                err.add_note(f"ampguard: Guard.{where}() refused the call: the open group was dropped (its "
+                             "gradients); the next guard.backward() begins a new step")
 
     def _dropped(self, err: BaseException, where: str, steps: int) -> None:
         """After the backward or the group's close raised (an out-of-memory, a scheduler stepped
@@ -1283,8 +1289,9 @@ class Guard:
         for scheduler in self._every_scheduler():
             if (epoch := _epoch_of(scheduler)) is not None:
                 self._scheduler_epochs[id(scheduler)] = epoch
-        err.add_note(f"ampguard: Guard.{where}() raised: the open group was dropped ({said}); "
-                     "the next guard.backward() begins a new step")
+        if self._loop_notes:
+            err.add_note(f"ampguard: Guard.{where}() raised: the open group was dropped ({said}); "
+                         "the next guard.backward() begins a new step")
 
     def unscale_(self, *which: str | torch.optim.Optimizer) -> None:
         """Unscale the gradients of these optimizers (all by default) now, before :meth:`step`,

@@ -186,6 +186,7 @@ class Trainer:
         self.inflight = InFlight(lag=LAG if self.fast else 0)
         self.state = build_state(config, model, self.task.loss_fn, self.device, fast=self.fast)
         self.state.autocast_dtypes = self.autocast_dtypes  # (noted at start-up: the first step notes none again)
+        self.state._loop_notes = False  # (the run ends at any raise: no "next guard.backward()" for the CLI's user)
         if config.compile:  # after fp8's conversion and the DDP/FSDP2 wrap; in place: the same parameters
             model.compile()
         self.evaluator = Evaluator(self.task, self.state.precision, self.device, config)

@@ -525,6 +525,26 @@ class Exits(nn.Linear):  # calls sys.exit(0) on the forward after its limit
         return super().forward(x)
 
 
+class Raises(torch.autograd.Function):  # an identity whose third backward raises (an out-of-memory in a backward)
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        Raises.calls += 1
+        if Raises.calls == 3:
+            raise RuntimeError("out of memory in the backward (a stand-in)")
+        return grad
+
+
+class BackwardFails(nn.Linear):
+    def forward(self, x):
+        return Raises.apply(super().forward(x))
+
+
 def data():
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(18, 2, generator=g), torch.randn(18, 1, generator=g)), batch_size=4)
@@ -542,6 +562,11 @@ def exits(config):  # validate: its fourth forward
 def exits_training(config):  # train: step 3's forward (the start-up's check puts the first four batches through)
     Exits.calls, Exits.limit = 0, 6
     return Exits(2, 1), data(), nn.functional.mse_loss
+
+
+def backward_fails(config):
+    Raises.calls = 0
+    return BackwardFails(2, 1), data(), nn.functional.mse_loss
 '''
 
 
@@ -569,6 +594,15 @@ def test_a_model_that_crashes_mid_run_leaves_a_whole_folder_and_its_traceback(tm
               "--set", "log.plot=false"])  # (the short_batch run above shows the crash's plot; ~1 s saved)
     assert "**crashed after step 2: RuntimeError: the task's model or loss called sys.exit(0) at step 3**" in (
         tmp_path / "runs" / "exits" / "RUN.md").read_text(encoding="utf-8")
+    # review 53e: the guard's note for a user's own loop ("Guard.backward() raised: ...; the next
+    # guard.backward() begins a new step") ended the traceback of a run that has no next step and
+    # whose user never called the guard (a Guard in a loop of one's own keeps it: test_guard_failures)
+    with pytest.raises(RuntimeError, match="out of memory in the backward") as crashed:
+        main(["train", "--set", "task.factory=crashing.py:backward_fails", "--set", "steps=8", "--set", "log.name=bw",
+              *base, "--set", "log.plot=false"])
+    assert "guard.backward()" not in "".join(getattr(crashed.value, "__notes__", [])), crashed.value.__notes__
+    assert "**crashed after step 2: RuntimeError: out of memory in the backward (a stand-in)**" in (
+        tmp_path / "runs" / "bw" / "RUN.md").read_text(encoding="utf-8")
     # validate: the model exiting (here under fp16, after FP32 ran) fails that precision in the report;
     # it exited 0 with no report, a model never judged
     code = main(["validate", "--set", "task.factory=crashing.py:exits", "--out", "v"])
