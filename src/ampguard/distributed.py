@@ -850,6 +850,44 @@ def peer_refused() -> str | None:
         return None
 
 
+def _crashed_key() -> str:
+    """The store key of a mid-run crash's line: this run's, as a refusal's (:func:`_refused_key`)."""
+    return f"{_stop_key()}/crashed/{_starts[0]}"
+
+
+def tell_crashed(line: str) -> None:
+    """This rank's run crashed mid-run (the task's model raised, a bug): its line ("rank 1 raised
+    ValueError: ..."), the first rank's kept, in the store, for rank 0, whose collective then
+    fails with the transport's words alone ("Connection closed by peer"), and whose run card was
+    all the run folder said of it (review 53e: the real error was in rank 1's stderr only, in
+    another node's log). Written before this rank leaves the group (its sockets close only as
+    the process ends): a peer whose collective failed for it finds it at once
+    (:func:`peer_crashed`). Not a collective; nothing without a process group of several.
+
+    Example (no process group)::
+
+        >>> tell_crashed("rank 1 raised ValueError: exploded"), peer_crashed()
+        (None, None)
+    """
+    if current().active:
+        with contextlib.suppress(Exception):  # (first come: compare_set writes only where none is)
+            dist.distributed_c10d._get_default_store().compare_set(_crashed_key(), "", line)
+
+
+def peer_crashed() -> str | None:
+    """The line a peer's crash left (:func:`tell_crashed`), read without waiting: the peer wrote it
+    before its process ended, which is what failed this rank's collective, so it is there by now
+    if it ever will be (a peer killed, or out of memory in the kernel's hands, leaves none, and
+    waiting for it would only delay the card). None then, or without a process group."""
+    if not current().active:
+        return None
+    try:
+        store, key = dist.distributed_c10d._get_default_store(), _crashed_key()
+        return store.get(key).decode("utf-8", errors="replace") if store.check([key]) else None
+    except Exception:  # (the store went with the launcher)
+        return None
+
+
 class _Peers:
     """The other ranks as a run's start-up hears of them (:class:`~ampguard.signals.Peers`)."""
 

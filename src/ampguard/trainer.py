@@ -379,6 +379,10 @@ class Trainer:
                         (code := distributed.peer_stopped()) is not None:  # a peer's second signal cut its
                     # step short and it left (end_alone, below): its stop, this rank's too, not a crash
                     crashed, stop.agreed = None, signal.Signals(code - 128)
+                elif crashed is not None and not distributed.peer_gone(crashed):  # this rank's own crash: its
+                    # line in the store before this process ends, for rank 0's card (review 53e: rank 1's
+                    # error was in its stderr alone; the card said gloo's "Connection closed by peer")
+                    distributed.tell_crashed(f"rank {self.dist.rank} raised {raised(crashed)}")
             finally:
                 with self._handoff:  # from here a signal waits: the checkpoint and the run card come first
                     stop.closing, taken = True, self._taken_over
@@ -405,10 +409,16 @@ class Trainer:
                 distributed.ending()  # (a crash is this rank's end: torchrun's SIGTERM must not turn it into a stop)
                 # (under torchrun each rank closes alone: a peer may be dead, the crash a collective's
                 # "Connection reset by peer", or waiting in a collective this rank never joins)
+                said = first_line(crashed, with_type=True)
+                if distributed.peer_gone(crashed) and (peer := distributed.peer_crashed()) is not None:
+                    # a peer's own crash failed this rank's collective: its error, which the card and the
+                    # traceback's last line name (review 53e: "Connection closed by peer" alone; the cause
+                    # was in the peer's stderr, another node's log); a peer killed leaves none
+                    said = f"{peer} (rank {self.dist.rank} saw: {said.split('. ')[0]})"  # (gloo's advice after)
+                    crashed.add_note(f"ampguard: {peer}; its traceback is in its own output")
                 with contextlib.suppress(Exception):
-                    self._close(Stop(ExitCode.CRASHED,
-                                     f"crashed after step {self.monitor.steps}: {first_line(crashed, with_type=True)}",
-                                     CRASHED), alone=True)
+                    self._close(Stop(ExitCode.CRASHED, f"crashed after step {self.monitor.steps}: {said}", CRASHED),
+                                alone=True)
                 raise crashed
             if not clean:  # after settle(): "after step N" names the last step the CSV holds
                 stopped = self._interrupted(stop)

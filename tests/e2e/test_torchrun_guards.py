@@ -55,7 +55,8 @@ last S; the resumes P, Q, W's, and G last); T, H, W and B1 each end their launch
   left rank 0 waiting in it: a hang).
 - ``B``: the data's fifth batch raises on every rank (the same global stream): every rank stops
   with exit 2 and one line, the checkpoint of step 4 kept (a traceback per rank, no checkpoint);
-  ``B1``: it raises on rank 1 alone: rank 1's crash (its traceback), after waiting for the others.
+  ``B1``: it raises on rank 1 alone: rank 1's crash (its traceback), after waiting for the others;
+  rank 0's card and ``run_end`` name rank 1's error (they said gloo's "Connection closed by peer").
 - ``M``: rank 1's ``task.options`` gives a buffer another shape: refused on every rank, naming it,
   before anything is written (DDP's parameter-size traceback).
 - ``Q``: K's run resumed from step 4 on rank 0 and step 6 on rank 1: refused on every rank, K's
@@ -635,8 +636,17 @@ def test_data_raising_on_one_rank_alone_is_that_ranks_crash_after_waiting_for_th
     code, out, err, cwd = launches["B1"]
     assert code != 0 and rank_codes(cwd) == {}, err[-3000:]  # (neither rank returned a code)
     assert "[rank1]: ValueError: corrupt record 33" in err and "bad data at step" not in err
-    card = (cwd / "runs" / "B1" / "RUN.md").read_text(encoding="utf-8")
-    assert "| ended | crashed after step 4: " in card  # rank 0's: its collective failed
+    run = cwd / "runs" / "B1"
+    card = (run / "RUN.md").read_text(encoding="utf-8")
+    # rank 0's collective failed ("Connection closed by peer"); review 53e: the card and run_end
+    # said only that, rank 1's error was in its stderr alone (another node's log): now its line
+    said = "crashed after step 4: rank 1 raised ValueError: corrupt record 33 (rank 0 saw: "
+    assert f"| ended | {said}" in card, card
+    assert f'"message": "{said}' in (run / "events.jsonl").read_text(encoding="utf-8").splitlines()[-1]
+    # review 53e: rank 0's traceback ended with the guard's note for a user's own loop ("the next
+    # guard.backward() begins a new step"): no next step here, nor a guard the user called
+    assert "[rank0]:" in err and "guard.backward()" not in err, err[-3000:]
+    assert "[rank0]: ampguard: rank 1 raised ValueError: corrupt record 33; its traceback is in its own output" in err
 
 
 def test_ranks_whose_options_build_models_of_other_shapes_are_refused_before_anything_is_written(launches):
