@@ -21,7 +21,8 @@ Lightning calls          the plugin does
                          post-clip, skip on a non-finite loss or gradient, ``scaler.update()``
                          every step; one record to the sinks, the monitor and ``self.log``
 ``lr_scheduler_step``    held on a skipped step (``interval="step"`` schedulers), so the LR
-                         schedule counts applied updates (Lightning#18828)
+                         schedule counts applied updates (Lightning#18828); an
+                         ``interval="epoch"`` one held after an epoch that applied no update
 =======================  ===================================================================
 
 The skip-rate alarm is ampguard's :class:`~ampguard.monitor.RunMonitor`: with ``fail_rate``
@@ -159,7 +160,9 @@ class AmpGuardPlugin(_LightningPrecision):
             above it for ``fail_after`` consecutive steps stops the trainer at that step (its
             ``min_steps`` / ``min_epochs`` set aside: a diverged fit trains no further).
         scheduler_on_skip: ``"hold"`` (default) the ``interval="step"`` LR schedulers on a
-            skipped step, or ``"step"`` them as Lightning does.
+            skipped step, and the ``interval="epoch"`` ones at the end of an epoch that applied
+            no update (every step of it skipped; one applied update steps them as Lightning
+            does), or ``"step"`` them as Lightning does.
         frozen: the guard's ``frozen`` (``"refuse"`` a parameter that requires grad but is in no
             optimizer, or ``"ignore"`` it).
 
@@ -507,11 +510,19 @@ class AmpGuardPlugin(_LightningPrecision):
         ``f``, so for the fit the plugin sets such a config's ``frequency`` to 1 (Lightning asks
         every optimizer step) and keeps the count itself (``teardown`` puts ``f`` back). A
         ``ReduceLROnPlateau`` keeps Lightning's timing (it reads its metric only then) and is
-        held on a skipped step that falls on it."""
+        held on a skipped step that falls on it.
+
+        An ``interval="epoch"`` scheduler (a ``ReduceLROnPlateau`` too) is held at an epoch's
+        end when that epoch applied no update, every batch of it in a skipped step: the schedule
+        counts what was learned, as a step scheduler is held per skipped step. An epoch with one
+        applied update or more steps it as Lightning does (review 53d: an epoch of skips stepped
+        it). Its ``frequency`` stays Lightning's (asked at every f-th epoch, held when that epoch
+        applied nothing; the epochs between are not counted)."""
         if self.scheduler_on_skip != "hold" or self._hooked is module:
             return
         configs = module.trainer.lr_scheduler_configs
         step_interval = {id(c.scheduler) for c in configs if c.interval == "step"}
+        epoch_interval = {id(c.scheduler) for c in configs if c.interval == "epoch"}
         self._frequencies = [(c, c.frequency) for c in configs
                              if c.interval == "step" and not c.reduce_on_plateau and c.frequency != 1]
         every = {id(c.scheduler): f for c, f in self._frequencies}
@@ -525,6 +536,12 @@ class AmpGuardPlugin(_LightningPrecision):
                     return  # the optimizer step was skipped: the schedule holds
                 if (loop.batch_idx + 1 - (self._held_batches or (0, 0))[1]) % every.get(id(scheduler), 1):
                     return  # not yet the f-th applied batch
+            elif id(scheduler) in epoch_interval:
+                # at the epoch's end (its last batch, or after its end hooks for a ReduceLROnPlateau):
+                # the count is this epoch's when it reached the loop's batch (_count_held)
+                seen, held = self._held_batches or (0, 0)
+                if 0 < seen == held == loop.batch_idx + 1:
+                    return  # every step of the epoch skipped: no update applied, the schedule holds
             return user_hook(scheduler, metric)
 
         module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]

@@ -1,0 +1,103 @@
+"""AmpGuardPlugin against review 53d: an ``interval="epoch"`` LR scheduler stepped at the end of
+an epoch whose every optimizer step was skipped (the schedule counts what was learned, as a
+step scheduler is held per skipped step), and Lightning's own ``self.clip_gradients(...)``
+refused in manual optimization with a message that did not say what to do."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+L = pytest.importorskip("lightning")
+
+from ampguard.integrations.lightning import AmpGuardPlugin  # noqa: E402
+
+
+def _data(n=16, batch_size=4):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
+class Tiny(L.LightningModule):
+    """A Linear(4, 1) whose optimizer steps in ``nan_at`` (1-based, 4 a epoch) get a NaN loss;
+    ``schedule`` is ``"step"``/``"epoch"`` (a StepLR halving the LR) or ``"plateau"`` (a
+    ReduceLROnPlateau on a flat metric: every epoch it is stepped after its first is a bad one)."""
+
+    def __init__(self, nan_at=(), schedule="epoch", frequency=1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+        self.nan_at, self.schedule, self.frequency = set(nan_at), schedule, frequency
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.layer(x).float(), y)
+        self.log("flat", 1.0, on_step=False, on_epoch=True)
+        return loss * float("nan") if self.trainer.global_step + 1 in self.nan_at else loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.schedule == "plateau":
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+            config = {"scheduler": sched, "interval": "epoch", "monitor": "flat", "frequency": self.frequency}
+        else:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            config = {"scheduler": sched, "interval": self.schedule, "frequency": self.frequency}
+        return {"optimizer": opt, "lr_scheduler": config}
+
+
+def _fit(module, plugin, epochs):
+    trainer = L.Trainer(plugins=[plugin], max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (few workers, a tiny dataset)
+        trainer.fit(module, _data())
+    return trainer
+
+
+@pytest.mark.parametrize("nan_at, held", [((1, 2, 3, 4), True), ((1, 2, 4), False), ((), False)])
+def test_an_epoch_scheduler_holds_only_when_its_epoch_applied_no_update(nan_at, held):
+    # review 53d: a StepLR with interval="epoch" halved the LR after an epoch of 4 skipped steps (0 updates)
+    plugin = AmpGuardPlugin("bf16-mixed", log=False)
+    module = _fit(Tiny(nan_at), plugin, epochs=2).lightning_module
+    assert [r.skipped for r in list(plugin.records)[:4]] == [k in nan_at for k in range(1, 5)]
+    assert plugin.records[4].lr == (0.1 if held else 0.05)  # the LR epoch 1 ran at
+    assert module.lr_schedulers().last_epoch == (1 if held else 2)  # epoch 1 applied updates: it stepped
+
+
+def test_a_step_scheduler_is_held_per_skipped_step_as_before():
+    plugin = AmpGuardPlugin("bf16-mixed", log=False)
+    module = _fit(Tiny((1, 2, 3, 4), schedule="step"), plugin, epochs=2).lightning_module
+    assert [r.lr for r in plugin.records] == [0.1] * 5 + [0.05, 0.025, 0.0125]
+    assert module.lr_schedulers().last_epoch == 4  # the 4 applied updates of epoch 1
+
+
+def test_scheduler_on_skip_step_steps_an_epoch_scheduler_as_lightning_does():
+    plugin = AmpGuardPlugin("bf16-mixed", log=False, scheduler_on_skip="step")
+    module = _fit(Tiny((1, 2, 3, 4)), plugin, epochs=2).lightning_module
+    assert plugin.records[4].lr == 0.05 and module.lr_schedulers().last_epoch == 2
+
+
+def test_an_epoch_scheduler_with_a_frequency_is_asked_at_lightnings_epochs_and_held_when_that_one_applied_nothing():
+    # frequency 2: Lightning asks at the ends of epochs 1 and 3; epoch 1 all skipped holds it there,
+    # epoch 3 applied steps it (the epochs between are not counted); the config keeps its frequency
+    plugin = AmpGuardPlugin("bf16-mixed", log=False)
+    trainer = _fit(Tiny((5, 6, 7, 8), frequency=2), plugin, epochs=4)
+    assert trainer.lightning_module.lr_schedulers().last_epoch == 1
+    assert [r.lr for r in list(plugin.records)[::4]] == [0.1, 0.1, 0.1, 0.1]
+    assert trainer.lr_scheduler_configs[0].frequency == 2
+
+
+def test_a_plateau_epoch_scheduler_is_held_when_its_epoch_applied_nothing():
+    # ReduceLROnPlateau on the epoch's metric: not stepped (its metric not taken) after epoch 0, all skipped
+    plugin = AmpGuardPlugin("bf16-mixed", log=False)
+    held = _fit(Tiny((1, 2, 3, 4), schedule="plateau"), plugin, epochs=3).lightning_module.lr_schedulers()
+    stepped = _fit(Tiny((1, 2), schedule="plateau"), AmpGuardPlugin("bf16-mixed", log=False),
+                   epochs=3).lightning_module.lr_schedulers()
+    assert (held.last_epoch, stepped.last_epoch) == (2, 3)
+    assert (held.get_last_lr(), stepped.get_last_lr()) == ([0.05], [0.025])  # one bad epoch less seen
+
