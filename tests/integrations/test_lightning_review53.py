@@ -101,3 +101,53 @@ def test_a_plateau_epoch_scheduler_is_held_when_its_epoch_applied_nothing():
     assert (held.last_epoch, stepped.last_epoch) == (2, 3)
     assert (held.get_last_lr(), stepped.get_last_lr()) == ([0.05], [0.025])  # one bad epoch less seen
 
+class ManualClip(Tiny):
+    """Manual optimization with Lightning's documented clipping idiom between backward and step."""
+
+    def __init__(self, algorithm="norm"):
+        super().__init__(schedule="none")
+        self.automatic_optimization, self.algorithm = False, algorithm
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = F.mse_loss(self.layer(batch[0]).float(), batch[1])
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm=self.algorithm)
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_self_clip_gradients_in_manual_optimization_is_refused_with_the_way_out(tmp_path):
+    # review 53d: "gradient_clip_val / clip_gradients must be unset" did not say to drop the call for max_norm=
+    plugin = AmpGuardPlugin("bf16-mixed", log=False, csv=tmp_path / "steps.csv")
+    with pytest.raises(ValueError) as refused:
+        _fit(ManualClip(), plugin, epochs=1)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("AmpGuardPlugin clips to max_norm itself, between unscale and the step")
+    assert "remove the self.clip_gradients(...) call from training_step and give the plugin max_norm=0.5" in message
+    assert not (tmp_path / "steps.csv").exists() and plugin.guard.updates == 0
+
+
+def test_a_value_clip_in_manual_optimization_is_refused_naming_no_value_clip():
+    with pytest.raises(ValueError, match=r"offers no clipping by value: remove the self\.clip_gradients\(\.\.\.\) "
+                                         r"call from training_step"):
+        _fit(ManualClip("value"), AmpGuardPlugin("bf16-mixed", log=False), epochs=1)
+
+
+class ForwardingClip(Tiny):
+    """Automatic optimization with a configure_gradient_clipping that clips through Lightning's own call."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
+def test_self_clip_gradients_in_configure_gradient_clipping_is_refused_naming_that_hook():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the override's own warning, review 48f)
+        with pytest.raises(ValueError, match=r"remove the self\.clip_gradients\(\.\.\.\) call from "
+                                             r"configure_gradient_clipping and give the plugin max_norm=0\.5"):
+            _fit(ForwardingClip(), AmpGuardPlugin("bf16-mixed", log=False), epochs=1)

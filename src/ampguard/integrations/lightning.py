@@ -831,9 +831,14 @@ class AmpGuardPlugin(_LightningPrecision):
 
     def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        """Refused: the guard clips to ``max_norm`` after its non-finite check."""
+        """Refused with a value: the guard clips to ``max_norm`` itself, between unscale and the
+        step, after its non-finite check. Lightning calls this from ``LightningModule.clip_gradients``:
+        for the Trainer's ``gradient_clip_val`` (refused in :meth:`connect`), from a
+        ``configure_gradient_clipping`` override, or from ``self.clip_gradients(...)`` in manual
+        optimization, Lightning's clipping idiom between ``manual_backward`` and ``opt.step()``
+        (review 53d: the refusal did not say to remove the call for the plugin's ``max_norm=``)."""
         if clip_val and clip_val > 0:
-            raise ValueError("AmpGuardPlugin clips to max_norm itself; gradient_clip_val / clip_gradients must be unset")
+            raise ValueError(_clip_call_refusal(self._fitting, clip_val, gradient_clip_algorithm))
 
     def _record(self, record: StepLog | SkipLog, module: pl.LightningModule) -> None:
         """One record per optimizer step: sinks (rank 0), monitor, ``self.log``, the scheduler hold.
@@ -1082,6 +1087,23 @@ def _clip_refusal(trainer: pl.Trainer) -> str:
                 f"max_norm on the plugin clips by norm, another rule")
     return (f"AmpGuardPlugin clips to max_norm after its non-finite check: drop the Trainer's "
             f"gradient_clip_val={val} (use max_norm={val} on the plugin)")
+
+
+def _clip_call_refusal(trainer: pl.Trainer | None, val: float, algorithm: Any) -> str:
+    """Why a ``self.clip_gradients(...)`` with a value is refused, and the way out: the call
+    removed from where it is (``training_step`` in manual optimization, else the
+    ``configure_gradient_clipping`` override), and the plugin's ``max_norm`` (by value: nothing
+    the plugin offers, as for the Trainer's setting, :func:`_clip_refusal`)."""
+    manual = trainer is not None and not trainer.lightning_module.automatic_optimization
+    where = "training_step" if manual else "configure_gradient_clipping"
+    call = f"remove the self.clip_gradients(...) call from {where}"
+    if algorithm == GradClipAlgorithmType.VALUE:
+        return (f"AmpGuardPlugin clips by the global L2 norm (max_norm) between unscale and the step, after its "
+                f"non-finite check, and offers no clipping by value: {call} (a value clip before the guard's check "
+                f"would make an inf gradient finite); max_norm= on the plugin clips by norm, another rule")
+    return (f"AmpGuardPlugin clips to max_norm itself, between unscale and the step, after its non-finite check "
+            f"(the records' grad_l2_pre_clip and grad_l2_post_clip): {call} and give the plugin max_norm={val}"
+            + (" (it clips at each opt.step())" if manual else ""))
 
 
 def _check_writable(path: Path, where: str, rewritten: bool = False) -> None:
