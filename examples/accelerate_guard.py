@@ -39,9 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps is a whole number >= 1")
+    if args.inf_at is not None and not 1 <= args.inf_at <= args.steps:  # (a fault that never fires: a clean run)
+        parser.error(f"--inf-at {args.inf_at} is no step of the run (1 to --steps {args.steps})")
 
     # ampguard does the autocast and the loss scaling; cpu=True: gloo processes where there is no GPU
     accelerator = Accelerator(mixed_precision="no", cpu=not torch.cuda.is_available())
+    if args.inf_at is not None and not 0 <= args.inf_rank < accelerator.num_processes:  # (no such process)
+        if accelerator.is_main_process:
+            print(f"{parser.prog}: error: --inf-rank {args.inf_rank} is no process of the run (0 to "
+                  f"{accelerator.num_processes - 1})", file=sys.stderr)
+        distributed.shutdown()
+        return 2
     try:
         sink = open_csv(accelerator, args.csv)
     except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line

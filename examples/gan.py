@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.iterations, args.batch) < 1:  # (a batch of 0 trained on NaN losses, every step skipped, exit 0)
         parser.error("--iterations and --batch are whole numbers >= 1")
+    if args.inf_at is not None and not 1 <= args.inf_at <= args.iterations:  # (a fault that never fires)
+        parser.error(f"--inf-at {args.inf_at} is no iteration of the run (1 to --iterations {args.iterations})")
     try:
         return train(args)
     except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line

@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.steps, args.accumulation_steps) < 1:  # (0 was a traceback from Guard(), or a run of nothing)
         parser.error("--steps and --accumulation-steps are whole numbers >= 1")
+    if args.nan_at is not None and not 1 <= args.nan_at <= args.steps:  # (a fault that never fires: a clean run
+        parser.error(f"--nan-at {args.nan_at} is no step of the run (1 to --steps {args.steps})")  # said as tested)
     try:
         return train(args)
     except InputError as err:  # e.g. the CSV exists already: never overwritten, said in one line

@@ -141,7 +141,11 @@ def test_own_loop_run_again_as_a_script_exits_2_without_a_traceback(script_run_a
 
 
 @pytest.mark.parametrize("name, argv", [("own_loop", ["--accumulation-steps", "0"]), ("own_loop", ["--steps", "0"]),
-                                        ("gan", ["--batch", "0"]), ("accelerate_guard", ["--steps", "0"])])
+                                        ("gan", ["--batch", "0"]), ("accelerate_guard", ["--steps", "0"]),
+                                        # review 53f: a fault past the run's end never fired: a clean run, exit 0
+                                        ("own_loop", ["--steps", "3", "--nan-at", "9"]),
+                                        ("gan", ["--iterations", "2", "--inf-at", "0"]),
+                                        ("accelerate_guard", ["--steps", "3", "--inf-at", "4"])])
 def test_an_example_refuses_a_count_below_1_as_a_usage_error(tmp_path, monkeypatch, capsys, name, argv):
     # review_51h: --accumulation-steps 0 was Guard()'s ValueError traceback, exit 1; --batch 0 trained
     # on NaN losses, every step skipped, exit 0
@@ -149,3 +153,11 @@ def test_an_example_refuses_a_count_below_1_as_a_usage_error(tmp_path, monkeypat
     with pytest.raises(SystemExit) as stop:
         _load(name).main(argv)
     assert stop.value.code == 2 and "error: --" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_accelerate_guard_refuses_a_fault_on_a_process_the_run_does_not_have(tmp_path, monkeypatch, capsys):
+    # review 53f: --inf-rank 1 in a run of one process injected nothing, and the run said it was clean
+    monkeypatch.chdir(tmp_path)
+    assert _load("accelerate_guard").main(["--steps", "2", "--inf-at", "1", "--inf-rank", "1"]) == 2
+    assert "error: --inf-rank 1 is no process of the run (0 to 0)" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
