@@ -51,7 +51,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import distributed
 from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, plain_data, read_file
-from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, whole_number
+from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, shown, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
@@ -1408,27 +1408,15 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None, 
         RUN/checkpoints/step-00000004.pt: data position 1000000000000 is beyond what 4 steps could have taken (4 = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)
         >>> shutil.rmtree(run_dir)
     """
-    raw = as_it_ran(resume.saved_config), plain_data(config)
-    saved, now = _effective(raw[0]), _effective(raw[1])
+    saved, now = as_it_ran(resume.saved_config), plain_data(config)
     where = resume.path if resume.picked else "the checkpoint"
     for key in RESUME_FIXED:
-        a, b = saved, now
-        for part in key.split("."):
-            a = a.get(part) if isinstance(a, dict) else None  # a checkpoint may lack a whole section
-            b = b.get(part)
-        if rank > 0 and key == "task" and isinstance(a, dict) and isinstance(b, dict):
-            # a node's own task.options (its data path), as the run began with (check_same_configs
-            # warns): the checkpoint's config is rank 0's, and a rank that gave its own again was
-            # refused alone, the run never resumable (review 51g)
-            a, b = {**a, "options": None}, {**b, "options": None}
-        while isinstance(a, dict) and isinstance(b, dict):  # name the exact field, e.g. task.options.cap
-            diff = _first_difference(a, b)
-            if diff is None:
-                break
-            key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
-        if not _same(a, b):
-            if key == "task.factory":  # compared by the file's name; named as written
-                a, b = (flat_keys(side).get(key) for side in raw)
+        # a node's own task.options (its data path), as the run began with (check_same_configs
+        # warns): the checkpoint's config is rank 0's, and a rank that gave its own again was
+        # refused alone, the run never resumable (review 51g)
+        changed = changed_setting(saved, now, key, apart=("options",) if rank > 0 and key == "task" else ())
+        if changed:
+            key, a, b = changed
             raise InputError(f"--resume: {key} was {_short(a)} in {where}, now {_short(b)}; a resumed run must keep it")
     step = resume.loaded.step
     if step > config.steps:  # (at config.steps the run was complete: resuming rewrites its card)
@@ -1444,6 +1432,102 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None, 
         raise InputError(f"{resume.path}: data position {position} is beyond what {counted(step, 'step')} could have taken "
                          f"({bound} = step x accumulation_steps + rollbacks x the largest rollback.skip_batches "
                          "the run used)")
+
+
+def changed_setting(saved: Mapping[str, Any], now: Mapping[str, Any], key: str,
+                    apart: Iterable[str] = ()) -> tuple[str, Any, Any] | None:
+    """The first setting under ``key`` (dotted) that differs between two configs as plain data
+    (``saved``: a checkpoint's; ``now``), as ``(exact dotted key, saved value, value now)``; None
+    when none does. Compared as they take effect (:func:`_effective`: a factory file by its name
+    and function, wherever its folder now is; named as written), ``key``'s own entries named in
+    ``apart`` left out. One comparison for what a resume must keep (:func:`check_resume`) and
+    the task a checkpoint is loaded into (:func:`ampguard.checkpoint.load_weights`, review 53b).
+
+    Example::
+
+        >>> changed_setting({"task": {"n_head": 8, "batch_size": 4}}, {"task": {"n_head": 4, "batch_size": 2}}, "task")
+        ('task.batch_size', 4, 2)
+        >>> changed_setting({"task": {"n_head": 8, "batch_size": 4}}, {"task": {"n_head": 4, "batch_size": 2}},
+        ...                 "task", apart=("batch_size",))
+        ('task.n_head', 8, 4)
+        >>> changed_setting({"task": {"factory": "/a/m.py:build"}}, {"task": {"factory": "m.py:build"}}, "task")
+    """
+    raw = saved, now
+    a, b = _effective(dict(saved)), _effective(dict(now))
+    for part in key.split("."):
+        a = a.get(part) if isinstance(a, dict) else None  # a checkpoint may lack a whole section
+        b = b.get(part) if isinstance(b, dict) else None
+    apart = tuple(apart)
+    if apart and isinstance(a, dict) and isinstance(b, dict):
+        a, b = ({k: v for k, v in side.items() if k not in apart} for side in (a, b))
+    while isinstance(a, dict) and isinstance(b, dict):  # name the exact field, e.g. task.options.cap
+        diff = _first_difference(a, b)
+        if diff is None:
+            break
+        key, a, b = f"{key}.{diff}", a.get(diff), b.get(diff)
+    if _same(a, b):
+        return None
+    if key == "task.factory":  # compared by the file's name; named as written
+        a, b = (flat_keys(side).get(key) for side in raw)
+    return key, a, b
+
+
+TASK_APART = ("batch_size", "options")
+"""The ``task`` settings a checkpoint may be loaded under other values of: the batch size changes
+no model, and ``options`` are a factory's own (a data path among them: said, not refused)."""
+
+
+def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Refuse (one :class:`InputError` line naming the key and both values) a checkpoint (its
+    ``payload``, loaded by :func:`ampguard.checkpoint.load_weights`) whose config's ``task``
+    section builds another model than the config's (``now``, :func:`plain_data`'s) though its
+    weights fit: review 53b, charlm's ``n_head`` changes no weight shape, and ``validate
+    --checkpoint`` judged the trained weights in a model of another head count, ACCEPTED, a
+    verdict about a model nobody trained. Compared as :func:`check_resume` compares a task
+    (:func:`changed_setting`), :data:`TASK_APART` apart; a ``task.options`` setting that differs
+    is said (an :class:`AmpguardWarning`: a factory's data path may be another on this machine).
+    Nothing to compare in a checkpoint without a task section. For validate and locate.
+
+    Example::
+
+        >>> def check(saved, now):
+        ...     check_task_settings({CONFIG: {"task": saved}}, now, "a.pt")
+        >>> check({"name": "charlm", "n_head": 8, "batch_size": 4}, {"name": "charlm", "n_head": 8, "batch_size": 2})
+        >>> check({"factory": "/old/project/m.py:build"}, {"factory": "/new/m.py:build"})  # moved: the same file
+        >>> for saved, now in (({"name": "charlm", "n_head": 8}, {"name": "charlm", "n_head": 4}),
+        ...                    ({"name": "digits"}, {"name": "charlm"})):
+        ...     try:
+        ...         check(saved, now)
+        ...     except InputError as err:
+        ...         print(err)
+        a.pt: it was trained with task.n_head 8, this config's is 4: pass that run's config.yaml, or --set task.n_head=8
+        a.pt: it is a checkpoint of task digits, this config's is charlm: pass that run's config.yaml, or --set task.name=digits
+    """
+    config = payload.get(CONFIG)
+    saved = config.get("task") if isinstance(config, Mapping) else None
+    if not isinstance(saved, Mapping):
+        return
+    changed = changed_setting({"task": saved}, {"task": now}, "task", apart=TASK_APART)
+    if changed:
+        key, was, this = changed
+        workload = ckpt.other_task(saved, now) if key in ("task.name", "task.factory") else ""
+        if workload:  # (another workload: said as a misfit's is)
+            raise InputError(f"{path}: {workload.removeprefix('; ')}")
+        raise InputError(f"{path}: it was trained with {key} {_value(was)}, this config's is {_value(this)}: "
+                         f"pass that run's config.yaml, or --set {key}={'null' if was is None else _value(was)}")
+    if "options" in saved:  # (a checkpoint from before the key: nothing to compare)
+        changed = changed_setting({"task": saved}, {"task": now}, "task.options")
+        if changed:
+            key, was, this = changed
+            warnings.warn(f"{path}: it was trained with {key} {_value(was)}, this config's is {_value(this)}: "
+                          "loaded under this config's (a factory's own setting; if it makes the model, pass that "
+                          "run's config.yaml)", AmpguardWarning, stacklevel=2)
+
+
+def _value(value: Any) -> str:
+    """A config value in a one-line message: text as it is (:func:`ampguard.errors.shown`: its repr
+    when a control character would split the line), anything else as its repr, shortened."""
+    return shown(value) if isinstance(value, str) else _short(value)
 
 
 def _skip_batches_used(resume: Resume, config: Config) -> int:
