@@ -23,7 +23,23 @@ from .errors import (
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (exit 2), not a usage block, and an option that
-    takes one value is given once (:class:`_Once`)."""
+    takes one value is given once (:class:`_Once`). ``intermixed=True`` (a verb's parser with
+    no REMAINDER or sub-verb positional): its options may come between its positionals
+    (``compare A --out x.png B``: review 53b, B was refused as an unrecognized argument)."""
+
+    def __init__(self, *args: Any, intermixed: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.intermixed, self._intermixing = intermixed, False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        # (the sub-verbs action calls this; parse_known_intermixed_args calls it back before Python 3.13)
+        if not self.intermixed or self._intermixing:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
     def error(self, message: str) -> NoReturn:
         verb = self.prog.removeprefix("ampguard").strip()  # "demo" for `ampguard demo`, "" at the top
@@ -633,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
 
     compare = verbs.add_parser(
-        "compare",
+        "compare", intermixed=True,
         help="several runs side by side: one table from their run folders, one overlay plot",
         description="Reads each RUN_DIR's config.yaml, steps.csv and run card and prints one table, a column per "
         "run: precision, max_norm, steps / updates / skips by reason, max rolling skip rate, clip rate, scale "

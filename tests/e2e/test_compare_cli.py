@@ -228,3 +228,12 @@ def test_compare_overwrites_only_a_plot_ampguard_drew(cli, sweep, tmp_path):
     assert png_size(tmp_path / "cmp.png") == (1200, 1100)
     assert marked(own / "report.png") and marked(tmp_path / "cmp.png")
     assert b"tEXtTitle\0ampguard compare: clip-0.5, clip-5" in (tmp_path / "cmp.png").read_bytes()
+
+
+def test_out_between_the_run_folders_is_taken_as_after_them(cli, sweep, tmp_path):
+    # review 53b: `compare A --out x.png B` refused B ("unrecognized arguments")
+    runs = [sweep / f"clip-{m}" for m in MAX_NORMS]
+    code, out, err = cli("compare", runs[0], "--out", "cmp.png", *runs[1:])
+    assert code == 0, err
+    assert compare_table(out)[""] == [f"clip-{m}" for m in MAX_NORMS]
+    assert png_size(tmp_path / "cmp.png") == (1200, 1100)
