@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
-from .errors import ExitCode, InputError, failed_because, first_line
+from .errors import ExitCode, InputError, failed_because, first_line, table_cell
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
@@ -230,7 +230,8 @@ def table_rows(run: RunSummary) -> list[tuple[str, str]]:
 def format_table(runs: Sequence[RunSummary], encoding: str | None = None) -> str:
     """One Markdown table, a row per quantity and a column per run (padded to line up in a
     terminal of ``encoding``, the console's when None: a run's name an ASCII console escapes
-    is padded as escaped). A held-out metric one run lacks is ``-`` there.
+    is padded as escaped; a ``|`` or a control character in a cell escaped, as validate's tables
+    do). A held-out metric one run lacks is ``-`` there.
 
     Example::
 
@@ -246,6 +247,7 @@ def format_table(runs: Sequence[RunSummary], encoding: str | None = None) -> str
     for col in columns:
         keys += [k for k in col if k not in keys]
     lines = [["", *(r.name for r in runs)], *([k, *(col.get(k, "-") for col in columns)] for k in keys)]
+    lines = [[table_cell(cell) for cell in line] for line in lines]  # (a `|` or a newline in a run's name: review 53b)
     widths = [max(console_width(line[i], encoding) for line in lines) for i in range(len(lines[0]))]
 
     def fmt(cells: list[str]) -> str:

@@ -359,6 +359,20 @@ def visible(text: str) -> str:
     return "".join(c.encode("unicode_escape").decode("ascii") if has_control(c) else c for c in text)
 
 
+def table_cell(value: object) -> str:
+    r"""A value as one cell of a Markdown table (validate's report, compare's table): a ``|`` in it
+    escaped, each control character written as its escape (:func:`visible`): a run named
+    ``lr|3e-3`` made a column too many, one whose folder name held a newline split its row
+    (review 53b).
+
+    Example::
+
+        >>> table_cell("scores: |a - b| <= 0.1"), table_cell("clip\nrun"), table_cell(0.5)
+        ('scores: \\|a - b\\| <= 0.1', 'clip\\nrun', '0.5')
+    """
+    return visible(str(value)).replace("|", "\\|")
+
+
 def an_interrupt(err: BaseException) -> bool:
     """A Ctrl-C, or one that an error raised on its way out carries: a KeyboardInterrupt raised
     while a class body runs (an import torch makes lazily, e.g. ``torch._dynamo`` from the

@@ -45,7 +45,7 @@ from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
 from .config import Config, flat_keys, plain_data
-from .errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, user_code
+from .errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, table_cell, user_code
 from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
@@ -1726,14 +1726,15 @@ def _reproducibility(v: Validation) -> list[str]:
 
 
 def _row(*cells: Any) -> str:
-    """One Markdown table row; a ``|`` inside a cell (``|amp - fp32|``) is escaped.
+    """One Markdown table row; a ``|`` inside a cell (``|amp - fp32|``) is escaped, a control
+    character written as its escape (:func:`ampguard.errors.table_cell`, compare's table's too).
 
     Example::
 
         >>> print(_row("scores: |a - b| <= 0.1", "pass"))
         | scores: \\|a - b\\| <= 0.1 | pass |
     """
-    return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"
+    return "| " + " | ".join(map(table_cell, cells)) + " |"
 
 
 def as_json(v: Validation) -> dict[str, Any]:

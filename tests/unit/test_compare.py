@@ -4,6 +4,7 @@ and the overlay plot. Whole runs through the CLI are in ``tests/e2e/test_compare
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -502,3 +503,15 @@ def test_the_table_gives_a_runs_headroom_alerts_from_its_card_and_a_dash_where_a
     [row] = [line for line in table.splitlines() if line.startswith("| headroom alerts")]
     assert [cell.strip() for cell in row.strip("|").split("|")] == ["headroom alerts", "1 (step 1: fc output 3.0 bits)",
                                                                    "-"]
+
+
+def test_a_run_name_with_a_bar_or_a_newline_keeps_the_table_whole(tmp_path):
+    # review 53b: train takes log.name='lr|3e-3', and a copied folder's name may hold a newline: the
+    # header row got a column too many, or was split over two lines
+    runs = [make_run(tmp_path, name, [clean(1)]) for name in ("lr|0.1", "clip\n1")]
+    lines = compare.format_table(compare.load_runs(runs)).splitlines()
+    assert len(lines) == 2 + len(compare.table_rows(compare.load_run(runs[0])))
+    header = [cell.strip() for cell in re.split(r"(?<!\\)\|", lines[0].strip()[1:-1])]
+    assert header == ["", "lr\\|0.1", "clip\\n1"]
+    assert len({len(line) for line in lines}) == 1
+
