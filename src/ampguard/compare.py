@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .build import build_monitor
 from .errors import ExitCode, InputError, failed_because, first_line, table_cell
+from .errors import shown as shown_path
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .precision import uses_loss_scaler
@@ -126,17 +127,21 @@ def load_run(path: str | Path) -> RunSummary:
 
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
-    """Every run, checked: at least two, none given twice. Runs that share a folder name are
-    named by the path given.
+    """Every run, checked: at least two (a single ``str`` or path, a sequence of characters to
+    Python, is one), none given twice. Runs that share a folder name are named by the path given.
 
     Example::
 
-        >>> try:
-        ...     load_runs(["runs/a"])
-        ... except InputError as err:
-        ...     print(err)
+        >>> for paths in (["runs/a"], "runs/a"):
+        ...     try:
+        ...         load_runs(paths)
+        ...     except InputError as err:
+        ...         print(err)
         compare: needs at least two run folders, got 1
+        compare: needs at least two run folders, got one: runs/a
     """
+    if isinstance(paths, (str, bytes, os.PathLike)):  # (a str is a sequence: read as folders r, u, n; review 53b)
+        raise InputError(f"compare: needs at least two run folders, got one: {shown_path(paths)}")
     if len(paths) < 2:
         raise InputError(f"compare: needs at least two run folders, got {len(paths)}")
     seen: dict[Path, str] = {}

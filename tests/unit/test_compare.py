@@ -515,3 +515,13 @@ def test_a_run_name_with_a_bar_or_a_newline_keeps_the_table_whole(tmp_path):
     assert header == ["", "lr\\|0.1", "clip\\n1"]
     assert len({len(line) for line in lines}) == 1
 
+
+@pytest.mark.parametrize("call", ["run", "load_runs"])
+def test_one_run_folder_given_as_a_str_or_a_path_is_refused_as_one(tmp_path, monkeypatch, call):
+    # review 53b: a str is a sequence: "runs/a" was read as the run folders r, u, n, ...
+    make_run(tmp_path / "runs", "a", [clean(1)])
+    monkeypatch.chdir(tmp_path)
+    for given in ("runs/a", Path("runs/a")):
+        with pytest.raises(InputError) as err:
+            getattr(compare, call)(given)
+        assert str(err.value) == "compare: needs at least two run folders, got one: runs/a"
