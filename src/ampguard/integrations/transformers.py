@@ -1,7 +1,8 @@
 """The Hugging Face ``Trainer`` under ampguard: ``GuardedTrainer`` and ``AmpGuardCallback``.
 
-Needs the ``transformers`` extra (``pip install 'ampguard[transformers]'``), imported when this
-module is.
+Needs the ``transformers`` extra (``pip install 'ampguard[transformers]'``: transformers 5.19 or
+newer, :data:`TRANSFORMERS_FLOOR`), imported when this module is; ``GuardedTrainer`` refuses an
+older one when it is built (:func:`missing_seams`).
 
 A callback cannot guard a Trainer step: it runs after the backward (it cannot keep a NaN loss
 from seeding it), after HF's clipping (the pre-clip norm is gone) and it cannot veto the optimizer
@@ -67,6 +68,18 @@ STATE_NAME = "ampguard_state.json"  # in each HF checkpoint-N folder: the guard'
 WATCH_ONLY = ("AmpGuardCallback on a stock Trainer only watches (no loss check before backward, no pre-clip norm: "
               "the CSV's loss and grad_l2_pre_clip stay empty): use ampguard.integrations.transformers."
               "GuardedTrainer(..., ampguard=...) to guard the step")
+TRANSFORMERS_FLOOR = "5.19"
+"""The oldest transformers whose ``Trainer`` has every seam in :data:`TRAINER_SEAMS` (pyproject's
+``transformers`` extra says the same): 5.18 has no ``loss_is_scaled_for_ga``, 4.57 neither
+``_build_accelerator_args``, ``_clip_grad_norm`` nor ``_get_grad_norm``."""
+TRAINER_SEAMS = ("loss_is_scaled_for_ga", "_build_accelerator_args", "_clip_grad_norm", "_get_grad_norm",
+                 "_save_scaler", "_load_scaler", "_report_to_hp_search", "_inner_training_loop", "get_batch_samples",
+                 "training_step", "prediction_step", "compute_loss_context_manager", "_prepare_inputs", "log")
+"""What :class:`GuardedTrainer` overrides or reads on HF's ``Trainer`` class. A name an older
+``Trainer`` lacks is not an error there: ``loss_is_scaled_for_ga`` was an ``AttributeError`` at
+the first step, but an override HF never calls is silent (4.57: no ``_build_accelerator_args``,
+so Accelerate autocast a second time; no ``_clip_grad_norm``, so HF clipped gradients the guard
+had dropped and logged ``grad_norm`` 0.0). Checked when the trainer is built (review 53c)."""
 TWO_CALLBACKS = ("two AmpGuardCallbacks in one Trainer: each would write its own rows into the same steps.csv; "
                  "give one (GuardedTrainer: as ampguard= or in callbacks=, not both)")
 
@@ -1070,6 +1083,7 @@ class GuardedTrainer(Trainer):
 
     def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
                  scheduler_on_skip: str = "hold", frozen: str = "refuse", **kwargs: Any) -> None:
+        _require_seams()  # (a transformers before TRANSFORMERS_FLOOR: refused before anything is built)
         check_settings(None, scheduler_on_skip, frozen)  # (Guard's own check; max_norm is args.max_grad_norm)
         self.frozen = frozen  # Guard's: a parameter that requires grad and no optimizer holds (optimizers=(opt, None))
         if ampguard is not None and not isinstance(ampguard, AmpGuardCallback):
@@ -1191,6 +1205,7 @@ class GuardedTrainer(Trainer):
         return args
 
     def _make_guard(self, model: torch.nn.Module) -> Guard:
+        _require_skip_flag(self)
         guard = Guard(model, _inner(self.optimizer), precision=precision_of(self.args),  # (inside Accelerate's wrapper)
                       max_norm=self.args.max_grad_norm, accumulation_steps=self.args.gradient_accumulation_steps,
                       scaler=self.scaler_settings or None, frozen=self.frozen)
@@ -1456,6 +1471,54 @@ def _stepped_by_the_guard(trainer: GuardedTrainer) -> None:
     functools.update_wrapper(step, previous)  # (an LR scheduler's mark on its wrapper, _wrapped_by_lr_sched, kept)
     step.after_the_guards = True  # type: ignore[attr-defined]
     accelerated.step = step
+
+
+def missing_seams(trainer_class: type) -> list[str]:
+    """The names of :data:`TRAINER_SEAMS` that ``trainer_class`` (HF's ``Trainer``) lacks.
+
+    Example::
+
+        >>> missing_seams(Trainer), missing_seams(object)[:2]
+        ([], ['loss_is_scaled_for_ga', '_build_accelerator_args'])
+    """
+    return [name for name in TRAINER_SEAMS if not hasattr(trainer_class, name)]
+
+
+def _require_seams() -> None:
+    """An ``ImportError`` line for a transformers whose ``Trainer`` lacks a seam the guard relies
+    on (before anything is built or written): past the first missing one (an ``AttributeError``
+    at the first step) the rest fail silently (review 53c)."""
+    missing = missing_seams(Trainer)
+    if missing:
+        import transformers
+
+        raise ImportError(f"GuardedTrainer needs transformers>={TRANSFORMERS_FLOOR} (this is "
+                          f"{transformers.__version__}: its Trainer has no {', '.join(missing)}, which GuardedTrainer "
+                          f"overrides or reads): pip install 'transformers>={TRANSFORMERS_FLOOR}'")
+
+
+def _require_skip_flag(trainer: Trainer) -> None:
+    """An ``ImportError`` line, at the guard's building, for an Accelerate whose skip flag the
+    guard cannot set: HF holds its scheduler on ``accelerator.optimizer_step_was_skipped``, which
+    reads each ``AcceleratedOptimizer``'s ``_is_overflow`` (:func:`_report_skip`). An Accelerate
+    that renamed it (or an optimizer not Accelerate's) would step the scheduler on every skip,
+    unsaid; so the flag is set once here and the Accelerator asked whether it heard it (review
+    53c)."""
+    optimizer = trainer.optimizer
+    if "_is_overflow" in vars(optimizer):
+        was = optimizer._is_overflow
+        optimizer._is_overflow = True
+        try:
+            heard = trainer.accelerator.optimizer_step_was_skipped
+        finally:
+            optimizer._is_overflow = was
+        if heard:
+            return
+    import accelerate
+
+    raise ImportError(f"GuardedTrainer: this Accelerate ({accelerate.__version__}) has no AcceleratedOptimizer."
+                      "_is_overflow that optimizer_step_was_skipped reads, so HF's LR scheduler would step on a "
+                      "skipped step: install the Accelerate this transformers asks for")
 
 
 def _refuse_unguardable(trainer: Trainer) -> None:

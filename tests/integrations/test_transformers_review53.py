@@ -1,0 +1,80 @@
+"""Review 53c, the Hugging Face adapter: a transformers too old for GuardedTrainer's seams is
+refused when it is built (it crashed at the first step, or past that trained with HF's logged
+grad_norm 0.0 and Accelerate autocasting a second time), and an Accelerate without the skip flag
+the scheduler's hold reads is refused at the first step. A one-layer GPT-2 from a GPT2Config, on
+the CPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from ampguard.integrations import transformers as integration  # noqa: E402
+from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
+
+
+def _model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+
+
+def _ids():
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (16, 8), generator=g)]
+
+
+def _args(tmp_path, name: str, steps: int, **extra) -> TrainingArguments:
+    return TrainingArguments(str(tmp_path / name), **{**dict(
+        per_device_train_batch_size=4, max_steps=steps, use_cpu=True, report_to=[], save_strategy="no",
+        disable_tqdm=True, logging_steps=1, learning_rate=1e-3, bf16=True, seed=0), **extra})
+
+
+def _quiet() -> AmpGuardCallback:
+    return AmpGuardCallback(print_fn=lambda line: None)
+
+
+# ------------------------------------------------------------------ the transformers floor
+
+@pytest.mark.parametrize("seam", ["loss_is_scaled_for_ga", "_clip_grad_norm"])
+def test_a_trainer_without_a_seam_the_guard_relies_on_is_refused_when_built(tmp_path, monkeypatch, seam):
+    # transformers 4.57 and 5.18 have no loss_is_scaled_for_ga (an AttributeError at the first step),
+    # 4.57 no _clip_grad_norm (never called: HF's logged grad_norm 0.0, silently); here the installed
+    # Trainer with the name taken off, as an older one is
+    monkeypatch.delattr(Trainer, seam)
+    with pytest.raises(ImportError) as refused:
+        GuardedTrainer(model=_model(), args=_args(tmp_path, "out", 1), train_dataset=_ids(), ampguard=_quiet())
+    said = str(refused.value)
+    assert "\n" not in said
+    assert re.match(rf"GuardedTrainer needs transformers>={re.escape(integration.TRANSFORMERS_FLOOR)} \(this is "
+                    rf"{re.escape(transformers.__version__)}: its Trainer has no {seam}\b", said), said
+    assert not (tmp_path / "out").exists()  # refused before anything is made
+
+
+def test_the_installed_transformers_has_every_seam_and_the_floor_is_the_extras():
+    assert integration.missing_seams(Trainer) == []
+    from pathlib import Path
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    assert f'"transformers>={integration.TRANSFORMERS_FLOOR}"' in pyproject  # the extra says what the code needs
+
+
+def test_an_accelerate_without_the_skip_flag_is_refused_at_the_first_step(tmp_path):
+    # the guard holds HF's scheduler on a skip through AcceleratedOptimizer._is_overflow (what
+    # optimizer_step_was_skipped reads); an Accelerate without it would step the scheduler on every
+    # skip, unsaid. Here the prepared optimizer has it taken off, as such an Accelerate's would lack it
+    class NoFlag(GuardedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            vars(self.optimizer).pop("_is_overflow", None)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = NoFlag(model=model, args=_args(tmp_path, "out", 2), train_dataset=_ids(), ampguard=_quiet())
+    with pytest.raises(ImportError, match=r"^GuardedTrainer: this Accelerate \(.*\) has no AcceleratedOptimizer"
+                                          r"\._is_overflow"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
