@@ -1,8 +1,10 @@
 """Review 53c, the Hugging Face adapter: a transformers too old for GuardedTrainer's seams is
 refused when it is built (it crashed at the first step, or past that trained with HF's logged
-grad_norm 0.0 and Accelerate autocasting a second time), and an Accelerate without the skip flag
-the scheduler's hold reads is refused at the first step. A one-layer GPT-2 from a GPT2Config, on
-the CPU."""
+grad_norm 0.0 and Accelerate autocasting a second time), an Accelerate without the skip flag the
+scheduler's hold reads is refused at the first step, and HF's Adafactor recipe
+(``relative_step=True`` + ``AdafactorSchedule``) logs its real learning rate (it logged 0.0 at
+every step: its schedule reads the gradients the guard had dropped). A one-layer GPT-2 from a
+GPT2Config, on the CPU."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import re
 import pytest
 import torch
 
+from helpers import read_rows
+
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers.optimization import Adafactor, AdafactorSchedule  # noqa: E402
 
 from ampguard.integrations import transformers as integration  # noqa: E402
 from ampguard.integrations.transformers import AmpGuardCallback, GuardedTrainer  # noqa: E402
@@ -78,3 +83,51 @@ def test_an_accelerate_without_the_skip_flag_is_refused_at_the_first_step(tmp_pa
                                           r"\._is_overflow"):
         trainer.train()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
+
+
+# ------------------------------------------------------------------ Adafactor's schedule
+
+def test_adafactor_relative_step_logs_its_real_lr_and_trains_as_the_stock_trainer(tmp_path):
+    # AdafactorSchedule reads the lr from the parameters that hold a gradient; the guard dropped
+    # them before HF's lr_scheduler.step(), so it wrote its base lr, 0.0, at every step: HF's logged
+    # learning_rate and the CSV's lr were 0.0 while the stock Trainer's rose
+    runs = {}
+    for name, cls, extra in (("stock", Trainer, {}), ("guarded", GuardedTrainer, {"ampguard": _quiet()})):
+        model = _model()
+        opt = Adafactor(model.parameters(), scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+        trainer = cls(model=model, args=_args(tmp_path, name, 3), train_dataset=_ids(),
+                      optimizers=(opt, AdafactorSchedule(opt)), **extra)
+        trainer.train()
+        runs[name] = ([h["learning_rate"] for h in trainer.state.log_history if "loss" in h],
+                      [p.detach().clone() for p in model.parameters()])
+    logged = runs["guarded"][0]
+    assert logged == runs["stock"][0] and logged[0] == 0.0 < logged[1] < logged[2]  # its warm-up, as stock
+    assert [float(r["lr"]) for r in read_rows(tmp_path / "guarded" / "ampguard" / "steps.csv")] == \
+        pytest.approx(logged, rel=1e-6)  # the lr each step used (HF logs it before the scheduler's step)
+    assert all(torch.equal(a, b) for a, b in zip(runs["stock"][1], runs["guarded"][1]))  # bit for bit
+
+
+def test_after_an_applied_step_hf_sees_the_applied_gradients_until_its_zero_grad(tmp_path):
+    # what HF's loop (its scheduler, an on_pre_optimizer_step callback) finds between the guard's
+    # step and model.zero_grad(): the applied (clipped) gradients, as the stock Trainer leaves them;
+    # none after a skipped step (DESIGN: a skip drops them)
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            seen.append([p.grad is not None for p in model.parameters()])
+
+    class NanAtTwo(GuardedTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            loss = super().compute_loss(model, inputs, **kwargs)
+            return loss * float("nan") if self.state.global_step == 1 else loss
+
+    trainer = NanAtTwo(model=_model(), args=_args(tmp_path, "out", 3, max_grad_norm=0.01), train_dataset=_ids(),
+                       ampguard=_quiet(), callbacks=[Look()])
+    trainer.train()
+    assert [all(s) for s in seen] == [True, False, True] and [any(s) for s in seen] == [True, False, True]
+    assert all(p.grad is None for p in trainer.model.parameters())  # HF's model.zero_grad() dropped them
+    rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
+    assert [r["skip_reason"] for r in rows] == ["", "non_finite_loss", ""]
