@@ -131,3 +131,24 @@ def test_after_an_applied_step_hf_sees_the_applied_gradients_until_its_zero_grad
     assert all(p.grad is None for p in trainer.model.parameters())  # HF's model.zero_grad() dropped them
     rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
     assert [r["skip_reason"] for r in rows] == ["", "non_finite_loss", ""]
+
+
+# ------------------------------------------------------------------ a model held in bf16
+
+def test_a_model_held_in_bf16_is_refused_at_the_first_step_as_the_readmes_hf_section_says(tmp_path):
+    # from_pretrained(dtype=torch.bfloat16) (or "auto" on a bf16 checkpoint) with bf16=True: the stock
+    # Trainer trains it, GuardedTrainer refuses it at the first step; the README's HF section said
+    # "use it where you use Trainer" and nothing of this
+    model = _model().to(torch.bfloat16)
+    trainer = GuardedTrainer(model=model, args=_args(tmp_path, "out", 2), train_dataset=_ids(), ampguard=_quiet())
+    with pytest.raises(ValueError) as refused:
+        trainer.train()
+    said = str(refused.value)
+    assert "\n" not in said and said.startswith("parameter 'transformer.wte.weight' is bfloat16, but bf16 mixed "
+                                                "precision keeps FP32 master weights")
+    assert not (tmp_path / "out" / "ampguard" / "steps.csv").exists()  # the files it made are taken back
+    from pathlib import Path
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    hf = " ".join(readme[readme.index("### Hugging Face Trainer"):readme.index("### Accelerate")].split())
+    assert "dtype=torch.bfloat16" in hf and "dtype=torch.float32" in hf
+    assert "is bfloat16, but bf16 mixed precision keeps FP32 master weights" in hf  # the refusal's own words

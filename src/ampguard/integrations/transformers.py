@@ -1047,7 +1047,10 @@ class GuardedTrainer(Trainer):
     Use it where you use ``Trainer``, with ``fp16=True`` or ``bf16=True`` as usual (``use_cpu=True``
     works too: Accelerate alone would run fp16 on a CPU in fp32 without a scaler, see the README):
     ampguard does the autocast and the loss scaling, Accelerate is asked for
-    ``mixed_precision="no"``. Per optimizer step:
+    ``mixed_precision="no"``. The model is held in float32 (``from_pretrained(...,
+    dtype=torch.float32)``): one held in bfloat16 or float16 under ``bf16``/``fp16`` is refused at
+    the first step (``ValueError``: mixed precision keeps FP32 master weights; review 53c), where
+    the stock Trainer trains it. Per optimizer step:
 
     - a non-finite loss never seeds the backward, and the step is skipped (``non_finite_loss``);
       a non-finite gradient skips it too (``non_finite_grad``): parameters and optimizer state
