@@ -1582,7 +1582,8 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     read, for a warning (as ``task linear does not read task.n_layer: ignored``): the loss
     scaler's without one, ``fp8`` outside ``precision: fp8``, ``checkpoint`` with checkpoints
     off, the other optimizer's, a constant schedule's floor, ``rollback`` with no trigger,
-    ``eval.every`` with evaluation off, ``monitor.fail_after`` with nothing to fail fast,
+    ``eval.every`` with evaluation off, ``monitor.headroom`` without its ``every`` (telemetry off),
+    ``monitor.fail_after`` with nothing to fail fast,
     ``monitor.fail_on_scale_collapse`` with no loss scaler, and a ``fail_rate`` of 1 (no skip
     rate is above it: given, it never trips); ``validate`` names its own report folder and injects no faults. ``only``: just the
     settings under these keys (a resume's ``--set``: its ``config.yaml`` gives every key, and what
@@ -1651,6 +1652,9 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     if not config.eval.enabled:
         lines += under(("eval.every", "eval.batches"), "eval.enabled is false")
     mon = config.monitor
+    if mon.headroom.every is None:  # review 53a: alert_bits / format without the monitor were silent
+        lines += under("monitor.headroom.", "monitor.headroom.every is not set (headroom telemetry off)",
+                       switch="every")
     collapse = mon.fail_on_scale_collapse and not no_scaler
     if mon.fail_rate is None and not collapse:  # (the CLI's --fail-after is refused so)
         lines += under("monitor.fail_after", "monitor.fail_rate is not set and no scale-collapse guard runs "
