@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import raised
+from .errors import counted, raised
 from .untouched import untouched
 
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -159,6 +159,37 @@ def fp8_layers(model: nn.Module) -> list[str]:
     unused = _not_called(model)
     return [] if cls is None else [name for name, m in model.named_modules(remove_duplicate=False)
                                    if isinstance(m, cls) and id(m) not in unused]
+
+
+def fp8_layers_named(model: nn.Module) -> list[str]:
+    """The model's ``Float8Linear`` layers (those :func:`fp8_layers` names), one entry per layer:
+    its first place's name, and ``(also ...)`` with the others of a layer held at several places.
+    What the run card and ``run_start`` count (review 53a: they counted a reused layer once per
+    place, "3 Linear layers in float8" of a model with 2).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+        >>> model[2] = model[1]
+        >>> convert_to_fp8(model), fp8_layers(model), fp8_layers_named(model)
+        (['1', '2'], ['1', '2'], ['1 (also 2)'])
+    """
+    places: dict[int, list[str]] = {}
+    for name in fp8_layers(model):
+        places.setdefault(id(model.get_submodule(name)), []).append(name)
+    return [first + (f" (also {', '.join(others)})" if others else "") for first, *others in places.values()]
+
+
+def in_float8(layers: Sequence[str]) -> str:
+    """``N Linear layer(s) in float8: ...`` of :func:`fp8_layers_named`'s entries: the run card's
+    and ``run_start``'s words for them.
+
+    Example::
+
+        >>> in_float8(["1 (also 2)", "3"]), in_float8([])
+        ('2 Linear layers in float8: 1 (also 2), 3', '0 Linear layers in float8: none')
+    """
+    return f"{counted(len(layers), 'Linear layer')} in float8: {', '.join(layers) or 'none'}"
 
 
 def _not_called(model: nn.Module) -> set[int]:

@@ -22,6 +22,7 @@ from .clipping import clip_threshold
 from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number,
                      whole_number)
 from .files import left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
+from .fp8 import in_float8
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
 from .monitor import AT_THE_END, THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
@@ -1398,8 +1399,8 @@ def _setup_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         # PyTorch on ROCm names an AMD GPU "cuda" too: the backend says which it was, with its version
         ("backend", backend_text(result.device)),
         *((("step path", result.path),) if result.path else ()),
-        *((("fp8", f"recipe {config.fp8.recipe}; {counted(len(result.fp8_layers), 'Linear layer')} in float8: "
-                   f"{', '.join(result.fp8_layers) or 'none'}"),) if config.precision == "fp8" else ()),
+        *((("fp8", f"recipe {config.fp8.recipe}; {in_float8(result.fp8_layers)}"),) if config.precision == "fp8"
+          else ()),
         *((("float32 under autocast", float32_layers_text(result.autocast_dtypes)),) if result.autocast_dtypes else ()),
         ("loss scaler", scaler),
         ("clipping", _clipping_text(config, result.policy)),

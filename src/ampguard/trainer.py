@@ -773,19 +773,22 @@ class Trainer:
     @functools.cached_property
     def fp8_layers(self) -> list[str]:
         """Under fp8, the Linear layers that train in float8 (``fp8.keep_first_last``,
-        ``fp8.exclude``); none under another precision. The run's start and its card name them."""
+        ``fp8.exclude``), one entry per layer (a reused one with its other places:
+        :func:`~ampguard.fp8.fp8_layers_named`); none under another precision. The run's start and
+        its card name them."""
         if self.config.precision != "fp8":
             return []
-        from .fp8 import fp8_layers
+        from .fp8 import fp8_layers_named
 
-        return fp8_layers(self.task.model)
+        return fp8_layers_named(self.task.model)
 
     def _fp8_note(self) -> str:
         """Under fp8, which Linear layers train in float8, for ``run_start``."""
         if self.config.precision != "fp8":
             return ""
-        layers = self.fp8_layers
-        return f" ({counted(len(layers), 'Linear layer')} in float8: {', '.join(layers)})"
+        from .fp8 import in_float8
+
+        return f" ({in_float8(self.fp8_layers)})"
 
     def _stuck_grace(self) -> float:
         """How long the main thread may stay where it is in a step after a stop signal before it

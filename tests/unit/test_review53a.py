@@ -7,9 +7,12 @@ of a model with 2); the CPU note said torchao emulates fp8 (its emulate mode is 
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from helpers import ag
+import pytest
+from torch import nn
+
+from helpers import ag, train, write
 
 from ampguard.config import ignored_settings, validate
 
@@ -40,3 +43,56 @@ def test_the_cli_says_a_headroom_setting_it_does_not_read():
     code, out, err = ag("train", *LINEAR, "--set", "monitor.headroom.alert_bits=8", "--set",
                         "monitor.headroom.every=5", "--print-config")
     assert code == 0 and "warning" not in err, err
+
+
+# ---------------------------------------------------------------------------- 2: a reused float8 Linear, counted once
+
+
+SHARED = """
+import torch
+from torch import nn
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.sh, self.mid, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.again = self.sh  # one Linear at two places
+
+    def forward(self, x):
+        return self.head(self.mid(self.again(torch.relu(self.sh(self.inp(x))))))
+
+
+def build(config):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(4)]
+    torch.manual_seed(config.seed)
+    return {"model": Shared(), "data": data, "loss_fn": nn.functional.cross_entropy}
+"""
+
+
+def test_a_float8_layer_at_two_places_is_one_layer_named_at_both():
+    pytest.importorskip("torchao")
+    from ampguard.fp8 import convert_to_fp8, float8_modules, fp8_layers, fp8_layers_named, in_float8
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    model[3] = model[1]  # (held at 1 and 3; 2 is a layer of its own)
+    convert_to_fp8(model)
+    assert len(float8_modules(model)) == 2 and fp8_layers(model) == ["1", "2", "3"]
+    assert fp8_layers_named(model) == ["1 (also 3)", "2"]
+    assert in_float8(fp8_layers_named(model)) == "2 Linear layers in float8: 1 (also 3), 2"
+
+
+def test_the_card_and_run_start_count_a_reused_float8_layer_once(tmp_path):
+    pytest.importorskip("torchao")
+    factory = write(tmp_path / "shared.py", SHARED)
+    code, out, err = train(tmp_path, "sh", "--set", f"task.factory={factory}:build", "--set", "precision=fp8",
+                           "--set", "steps=1", "--set", "eval.enabled=false", "--set", "log.plot=false",
+                           "--set", "checkpoint.enabled=false")
+    assert code == 0, err
+    said = "2 Linear layers in float8: sh (also again), mid"
+    card = (tmp_path / "sh" / "RUN.md").read_text(encoding="utf-8")
+    assert f"| fp8 | recipe tensorwise; {said} |" in card, card
+    events = [json.loads(line) for line in (tmp_path / "sh" / "events.jsonl").read_text(encoding="utf-8").splitlines()]
+    [start] = [e for e in events if e["event"] == "run_start"]
+    assert f"fp8 on cpu ({said})" in start["message"], start
