@@ -1883,7 +1883,8 @@ def fp8_workload(w: Workload) -> Workload:
     layers: :func:`ampguard.fp8.convert_to_fp8`); its FLOPs are counted as before, so MFU stays
     against ``--peak-tflops`` (give the bf16 peak to compare fp8 with bf16 on one scale). The
     peers (Accelerate, Fabric) have no such setting here: fp8 runs the bare loop and ampguard.
-    On a CPU torchao emulates the float8 matmuls: a correctness smoke test, not a speed figure.
+    On a CPU the float8 matmuls run in PyTorch's CPU ``torch._scaled_mm``: a correctness smoke
+    test, not a speed figure.
 
     Example::
 

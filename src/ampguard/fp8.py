@@ -36,8 +36,9 @@ behind every non-finite or zero scale, telling a broken scale (finite tensor) fr
 tensor. It is a diagnostic (hooks, host reads): never part of the step.
 
 torchao is an optional extra (``pip install 'ampguard[fp8]'``), imported only here and only
-when fp8 is asked for. On a CPU torchao emulates the float8 matmuls: right for correctness
-checks, no speed-up.
+when fp8 is asked for. On a CPU the float8 matmuls run in PyTorch's own CPU ``torch._scaled_mm``
+(real float8 operands; torchao's ``emulate`` mode stays off): right for correctness checks, no
+speed-up.
 """
 
 from __future__ import annotations

@@ -875,7 +875,10 @@ class Precision:
                 return False, (f"fp8 needs a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090...); "
                                f"{torch.cuda.get_device_name(device)} has none: use bf16")
             if device.type == "cpu":
-                return True, "fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up"
+                # review 53a: "emulated by torchao" named the wrong party (torchao's emulate mode is off: real
+                # float8 operands go to PyTorch's own CPU kernel)
+                return True, ("fp8 on a CPU runs PyTorch's CPU float8 matmul (torch._scaled_mm): right for "
+                              "correctness checks, no speed-up")
         return True, None
 
     def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
@@ -946,8 +949,8 @@ class Precision:
         on a CUDA device without bf16, fp8 without torchao, on a model with no ``Float8Linear``
         layer (:func:`ampguard.fp8.convert_to_fp8` first) or on a GPU older than compute
         capability 8.9; warn that fp16 on a CPU is emulated (about 10x slower than bf16 there),
-        and fp8 too (torchao emulates its float8 matmuls: for correctness, not speed). Trainable
-        half weights under fp32 (pure bf16 training) are the user's: said (``say_half``,
+        and fp8 too (PyTorch's CPU ``torch._scaled_mm`` runs its float8 matmuls: for correctness,
+        not speed). Trainable half weights under fp32 (pure bf16 training) are the user's: said (``say_half``,
         :class:`HalfWeightsWarning`), and the return value is whether there are any, so a caller
         that checks again says it once.
 

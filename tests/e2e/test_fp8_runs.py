@@ -1,7 +1,8 @@
-"""``precision: fp8`` in whole runs: torchao float8 training (emulated on the CPU) on the digits
-task learns as well as bf16 over the same steps, ``ampguard train`` writes the same run folder
-and CSV, ``validate`` judges fp8 against the FP32 reference with bf16's rules and report format,
-``bench`` measures it, and bad fp8 input is one line, exit 2, nothing written."""
+"""``precision: fp8`` in whole runs: torchao float8 training (on the CPU through PyTorch's
+``torch._scaled_mm``) on the digits task learns as well as bf16 over the same steps, ``ampguard
+train`` writes the same run folder and CSV, ``validate`` judges fp8 against the FP32 reference
+with bf16's rules and report format, ``bench`` measures it, and bad fp8 input is one line, exit
+2, nothing written."""
 
 from __future__ import annotations
 

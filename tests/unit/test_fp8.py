@@ -1,6 +1,7 @@
 """``precision: fp8`` (torchao float8 training) in the guarded step: which layers convert, the
 precision object, the refusals, and broken scales caught by the step and named by
-``ampguard.fp8.find_bad_scales``. torchao runs for real (emulated float8 matmuls on the CPU).
+``ampguard.fp8.find_bad_scales``. torchao runs for real (on the CPU its float8 matmuls are
+PyTorch's CPU ``torch._scaled_mm``).
 
 The one thing injected is torchao#3356's bug: a scale function without the floor under the amax
 (``float8_max / amax``), so an all-zero tensor gets an infinite scale and 0 x inf = NaN. torchao's
@@ -93,10 +94,12 @@ def test_a_second_conversion_with_another_recipe_is_refused_not_dropped():
     assert convert_to_fp8(model, recipe="rowwise") == []  # the same recipe again: nothing more to convert
 
 
-def test_guard_warns_that_fp8_on_a_cpu_is_emulated():
+def test_guard_warns_that_fp8_on_a_cpu_is_for_correctness_not_speed():
+    # review 53a: it said "emulated by torchao": torchao's emulate mode is off, the matmuls are PyTorch's
     model = mlp()
     convert_to_fp8(model)
-    with pytest.warns(SlowPrecisionWarning, match="emulated by torchao"):
+    with pytest.warns(SlowPrecisionWarning, match=r"^fp8 on a CPU runs PyTorch's CPU float8 matmul "
+                                                  r"\(torch._scaled_mm\): right for correctness checks, no speed-up$"):
         guarded(model)
 
 

@@ -3,8 +3,8 @@ a forward replaced on the instance or compiled in place, a parametrized or lazy 
 hooks or state-dict hooks, a bias kept as a buffer, one reused at two places or held under a
 second name after the head), a Float8Linear called with a keyword input or reused under the
 diagnosis, the token dimension CUDA's ``_scaled_mm`` wants a multiple of 16 (in layers torchao
-converted directly too), and a torchao too old for the recipes. torchao runs for real (emulated
-on a CPU).
+converted directly too), and a torchao too old for the recipes. torchao runs for real (PyTorch's
+CPU ``torch._scaled_mm`` on a CPU).
 """
 
 from __future__ import annotations

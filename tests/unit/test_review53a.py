@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from torch import nn
 
 from helpers import ag, train, write
@@ -96,3 +97,33 @@ def test_the_card_and_run_start_count_a_reused_float8_layer_once(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "sh" / "events.jsonl").read_text(encoding="utf-8").splitlines()]
     [start] = [e for e in events if e["event"] == "run_start"]
     assert f"fp8 on cpu ({said})" in start["message"], start
+
+
+# ---------------------------------------------------------------------------- 3: what runs fp8 on a CPU
+
+
+def test_the_cpu_fp8_note_names_pytorchs_scaled_mm_which_is_what_runs():
+    pytest.importorskip("torchao")
+    from ampguard.fp8 import convert_to_fp8, float8_config
+    from ampguard.precision import Precision
+
+    supported, note = Precision("fp8", "cpu").support(torch.device("cpu"))
+    assert supported and note == ("fp8 on a CPU runs PyTorch's CPU float8 matmul (torch._scaled_mm): right for "
+                                  "correctness checks, no speed-up")
+    # what the note says is what happens: torchao's emulation is off, and a forward and backward of
+    # a float8 layer call torch._scaled_mm on the CPU with float8 operands (output, grad input, grad weight)
+    assert float8_config().emulate is False
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    convert_to_fp8(model)
+    called, real = [], torch._scaled_mm
+
+    def seen(a, b, *args, **kwargs):
+        called.append((a.device.type, a.dtype.itemsize, b.dtype.itemsize))
+        return real(a, b, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "_scaled_mm", seen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(16, 32))
+        out.float().sum().backward()
+    assert called == [("cpu", 1, 1)] * 3, called

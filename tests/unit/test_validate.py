@@ -588,7 +588,7 @@ def test_the_backend_is_rocm_when_torch_is_a_hip_build(monkeypatch):
 
 def test_dtype_support_is_what_training_decides(cpu_kind):
     # review_clarity10 #2: describe_environment kept its own support table, which had drifted from
-    # Precision.check: fp8 on a CPU read "supported" with no word that torchao only emulates it there
+    # Precision.check: fp8 on a CPU read "supported" with no word that it is for correctness only there
     pytest.importorskip("torchao")
     from ampguard.config import Config
     from ampguard.validate import Validation, describe_environment, markdown
@@ -598,7 +598,8 @@ def test_dtype_support_is_what_training_decides(cpu_kind):
     support = describe_environment(config, CPU, {}, [])["dtype_support"]
     fp8, fp16, bf16 = support["fp8"], support["fp16"], support["bf16"]
     assert (fp8["supported"], fp8["dtype"]) == (True, "torch.bfloat16")
-    assert fp8["note"] == "fp8 on a CPU is emulated by torchao: right for correctness checks, no speed-up"
+    assert fp8["note"] == ("fp8 on a CPU runs PyTorch's CPU float8 matmul (torch._scaled_mm): right for correctness "
+                          "checks, no speed-up")
     assert fp16["supported"] and "emulated" in fp16["note"] and "slower than bf16" in fp16["note"]
     assert bf16 == {"autocast_available": True, "dtype": "torch.bfloat16", "supported": True}  # no note: none given
     cpu_kind(bf16=False)
@@ -607,7 +608,7 @@ def test_dtype_support_is_what_training_decides(cpu_kind):
     v = Validation("linear", "regression", [], [], [], environment={"dtype_support": support})
     [row] = [line for line in markdown(v, Config()).splitlines() if line.startswith("| fp8 support |")]
     assert row == ("| fp8 support | autocast_available True, dtype torch.bfloat16, supported True, note fp8 on a CPU "
-                   "is emulated by torchao: right for correctness checks, no speed-up |")
+                   "runs PyTorch's CPU float8 matmul (torch._scaled_mm): right for correctness checks, no speed-up |")
 
 
 def test_a_model_that_raises_under_amp_is_quoted_by_its_cause_not_by_parsing_the_message():
