@@ -50,7 +50,7 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, plain_data, read_file
+from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, plain_data, read_file, yaml_spelled
 from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, shown, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
@@ -1366,7 +1366,9 @@ def _difference(name: str, saved: Any, live: Any, whose: str, depth: int = 0) ->
 
 
 def _short(value: Any) -> str:
-    return shortened(repr(value), 80)
+    """A setting's value in a resume's line (a refusal, a POLICY line), as the config spells it
+    (review 53a: Python's ``None``/``True`` of settings written ``null``/``true``), cut short."""
+    return shortened(yaml_spelled(value), 80)
 
 
 def check_resume(resume: Resume, config: Config, world_size: int | None = None, rank: int = 0) -> None:

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -1363,9 +1363,31 @@ _NULL_WORDS = {"none", "nil"}
 key that takes null says how YAML writes it (``Null`` and ``NULL`` are YAML's null already)."""
 
 
+def yaml_spelled(value: Any) -> str:
+    """A setting's value as a config file spells it, for a line read beside one: ``null``,
+    ``true``/``false`` (YAML's, not Python's ``None``/``True``), text quoted (``'bf16'``, one word
+    apart from the line's), a list or mapping in flow style with its items spelled so.
+
+    Example::
+
+        >>> yaml_spelled(None), yaml_spelled(True), yaml_spelled("bf16"), yaml_spelled(1e-3)
+        ('null', 'true', "'bf16'", '0.001')
+        >>> yaml_spelled(["head", None]), yaml_spelled({"project": "p", "enabled": False})
+        ("['head', null]", "{'project': 'p', 'enabled': false}")
+    """
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(map(yaml_spelled, value))}]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{yaml_spelled(k)}: {yaml_spelled(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def _shown(value: Any) -> str:
-    """A value the config was given, for an error line: as YAML writes a boolean or null, else
-    :func:`~ampguard.errors.brief` (cut short: ``--set precision=<5,000 characters>`` was echoed whole).
+    """A value the config was given, for an error line: as YAML writes a boolean or null
+    (:func:`yaml_spelled`), else :func:`~ampguard.errors.brief` (cut short: ``--set
+    precision=<5,000 characters>`` was echoed whole).
 
     Example::
 
@@ -1373,7 +1395,7 @@ def _shown(value: Any) -> str:
         ('true', 'null', "'fp4'", 'a list of 2', 40)
     """
     if isinstance(value, bool) or value is None:
-        return "null" if value is None else str(value).lower()
+        return yaml_spelled(value)
     return brief(value)
 
 

@@ -165,7 +165,7 @@ def test_a_checkpoint_naming_a_factory_file_never_gets_it_imported(lin, snapshot
         else:
             # (a value over 80 characters, as a long temporary folder makes it, keeps its head and its end)
             assert f"--resume: task.factory was '{str(factory)[:20]}" in line, line
-            assert "evil.py:build' in " in line and "now None" in line, line
+            assert "evil.py:build' in " in line and "now null" in line, line
     assert not marker.exists()
 
 

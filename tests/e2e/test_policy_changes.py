@@ -51,7 +51,7 @@ def test_turning_the_loss_scaler_off_on_resume_is_refused_in_one_line(fp16_run, 
     before = snapshot_of(run)
     line = one_error_line(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt",
                              "--set", "scaler.enabled=false"))
-    assert line == ("ampguard: error: --resume: scaler.enabled was True in the checkpoint, now False; "
+    assert line == ("ampguard: error: --resume: scaler.enabled was true in the checkpoint, now false; "
                     "a resumed run must keep it")
     assert snapshot_of(run) == before  # nothing written, nothing moved
 

@@ -433,9 +433,9 @@ FIXED_CHANGES = [
     ({"task": {"name": "charlm", "n_embd": 32, "n_head": 2}}, "task.n_embd", "16", "32"),
     ({"task": {"name": "charlm", "n_embd": 16, "n_head": 4}}, "task.n_head", "2", "4"),
     ({"task": {"name": "linear", "n_embd": 16, "n_head": 2}}, "task.name", "'charlm'", "'linear'"),
-    ({"task": {"name": "charlm", "n_embd": 16, "n_head": 2, "factory": "m:build"}}, "task.factory", "None", "'m:build'"),
+    ({"task": {"name": "charlm", "n_embd": 16, "n_head": 2, "factory": "m:build"}}, "task.factory", "null", "'m:build'"),  # (YAML: review 53a)
     ({"optimizer": {"name": "sgd"}}, "optimizer.name", "'adamw'", "'sgd'"),
-    ({"optimizer": {"name": "adamw", "fused": False}}, "optimizer.fused", "None", "False"),
+    ({"optimizer": {"name": "adamw", "fused": False}}, "optimizer.fused", "null", "false"),
     ({"monitor": {"window": 7}}, "monitor.window", "1000", "7"),
     ({"rollback": {"window": 7}}, "rollback.window", "50", "7"),
 ]
@@ -468,7 +468,7 @@ def test_check_resume_refuses_a_checkpoint_whose_config_lacks_a_fixed_key():
     resume = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, saved)), Path("run"))
     with pytest.raises(InputError) as err:
         ck.check_resume(resume, _with(), world_size=1)
-    assert one_line(err).startswith("--resume: precision was None in the checkpoint, now 'bf16'")
+    assert one_line(err).startswith("--resume: precision was null in the checkpoint, now 'bf16'")
 
 
 @pytest.mark.parametrize("garbage", ["fp4", "FP16", "", 42, True, None, ["fp16"], {"name": "fp16"}])
@@ -481,7 +481,8 @@ def test_check_resume_refuses_a_checkpoint_with_a_garbage_precision_in_one_line(
     for now in (_with(), _with(precision="fp16")):
         with pytest.raises(InputError) as err:
             ck.check_resume(resume, now, world_size=1)
-        assert one_line(err) == (f"--resume: precision was {garbage!r} in the checkpoint, now {now.precision!r}; "
+        was = "true" if garbage is True else "null" if garbage is None else repr(garbage)  # (YAML's: review 53a)
+        assert one_line(err) == (f"--resume: precision was {was} in the checkpoint, now {now.precision!r}; "
                                  "a resumed run must keep it")
 
 
@@ -500,7 +501,7 @@ def test_check_resume_refuses_turning_the_loss_scaler_off_or_on_as_it_takes_effe
     resume = Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, saved)), Path("run"))
     with pytest.raises(InputError) as err:
         ck.check_resume(resume, validate({**fp16, "scaler": {"enabled": False}}), world_size=1)
-    assert one_line(err) == "--resume: scaler.enabled was True in the checkpoint, now False; a resumed run must keep it"
+    assert one_line(err) == "--resume: scaler.enabled was true in the checkpoint, now false; a resumed run must keep it"
     ck.check_resume(resume, validate({**fp16, "scaler": {"enabled": True}}), world_size=1)  # null and true: both on
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from helpers import ag, train, write
 
+from ampguard import checkpointer as ck
 from ampguard.config import ignored_settings, validate
 
 pytestmark = pytest.mark.usefixtures("_one_thread", "_no_bytecode")  # tests/conftest.py
@@ -127,3 +128,28 @@ def test_the_cpu_fp8_note_names_pytorchs_scaled_mm_which_is_what_runs():
             out = model(torch.randn(16, 32))
         out.float().sum().backward()
     assert called == [("cpu", 1, 1)] * 3, called
+
+
+# ---------------------------------------------------------------------------- 4: YAML's spellings in resume lines
+
+
+def test_policy_lines_and_resume_refusals_spell_values_as_the_config_does():
+    assert ck.policy_line({"key": "monitor.headroom.every", "old": None, "new": 2, "step": 5}) == (
+        "monitor.headroom.every null -> 2 from step 6")
+    assert ck.policy_line({"key": "monitor.fail_on_scale_collapse", "old": True, "new": False, "step": 5}) == (
+        "monitor.fail_on_scale_collapse true -> false from step 6")
+    assert ck.policy_line({"key": "rollback.triggers", "old": [], "new": ["non_finite_loss"], "step": 5}) == (
+        "rollback.triggers [] -> ['non_finite_loss'] from step 6")  # (text stays quoted, lists spelled through)
+    assert ck.policy_line({"key": "monitor.headroom.format", "old": "auto", "new": "fp16", "step": 5}) == (
+        "monitor.headroom.format 'auto' -> 'fp16' from step 6")
+
+
+def test_a_resume_that_turns_headroom_on_says_null_not_none(tmp_path):
+    common = [*LINEAR, "--set", "eval.enabled=false", "--set", "log.every=100"]
+    code, out, err = train(tmp_path, "n1", *common, "--set", "steps=4", "--set", "checkpoint.every=2")
+    assert code == 0, err
+    code, out, err = ag("train", "--resume", tmp_path / "n1" / "checkpoints" / "step-00000002.pt",
+                        "--set", "monitor.headroom.every=2")
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("POLICY")] == [
+        "POLICY 2 monitor.headroom.every null -> 2 from step 3"], out
