@@ -28,7 +28,7 @@ from . import checkpointer as ck
 from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
                     check_trainable, fast_path, keep_fp32_modules, precision_of, resolve_device)
-from .checkpoint import checkpoint_step, list_checkpoints, other_data, rng_state, set_rng_state
+from .checkpoint import checkpoint_step, list_checkpoints, other_data, rng_snapshot, set_rng_state, torch_rng_state
 from .config import Config, plain_data
 from .data import DataStream, check_same_data
 from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised
@@ -536,9 +536,12 @@ class Trainer:
         :class:`~ampguard.records.InFlight`).
         """
         # the RNGs where the group starts, for the final checkpoint after data that fails inside it
-        # (:meth:`_back_to_the_group_start`); ~55 us a step, numpy's state most of it: only where one is saved
+        # (:meth:`_back_to_the_group_start`), only where one is saved. Review 53h: every RNG's state, ~50 us a
+        # step (NumPy's and random's most of it), cost the linear task's step 17%: a built-in task draws from
+        # torch alone (its own generators, dropout), so torch's is exact for it (~2 us); a factory's data may
+        # draw from any of them (a raw snapshot, converted for no file)
         if self.config.accumulation_steps > 1 and self.config.checkpoint.enabled and self.checkpointer.enabled:
-            self._group_rng = rng_state()
+            self._group_rng = rng_snapshot() if self.config.task.factory else torch_rng_state()
         while True:
             try:
                 batch = self.data.next(first_step=self.state.steps + 1)
