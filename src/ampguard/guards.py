@@ -628,6 +628,7 @@ class FirstSkipDiagnosis:
         self.group: list[tuple[Any, Any]] = []
         self.scale: Any = 1.0  # the loss scale the open group runs with
         self.rng: list[Any] = []  # torch's RNG state as each micro-batch of the open group began
+        self.keeping = True  # whether the open group is kept (capture): a replay may read it
         self.found: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -657,10 +658,15 @@ class FirstSkipDiagnosis:
             raise ValueError(f"first_skip.found must be a string or None, got {type(found).__name__}")
         self.found = found
 
-    def capture(self, batch: tuple[Any, Any]) -> None:
+    def capture(self, batch: tuple[Any, Any], fresh: bool = False) -> None:
         """Call before the step takes ``batch``: keeps the group's batches, the loss scale they
         run with (a device copy, no host read) and torch's RNG state as each begins (a host copy
         of the generators' states, a few us: the replay draws the step's dropout masks).
+
+        Only while a replay may read them: before the first finding, or with ``fresh`` (strict
+        mode: :meth:`after` diagnoses every skip). Review 53h: after the first finding every
+        micro-batch of the run was still kept, the scale copied, the RNG read, for no reader.
+        Decided as a group begins, so a group is kept whole or not at all.
 
         Example (fp16 on two weights: a skipped step halves the scale, the next group keeps the new one)::
 
@@ -679,9 +685,11 @@ class FirstSkipDiagnosis:
             (1, 32768.0)
         """
         if not self.state.mid_group:
-            self.group, self.scale, self.rng = [], self.state.scaler.scale_value(), []
-        self.group.append(batch)
-        self.rng.append(torch_rng_state())  # (the replay draws the dropout masks the step draws for it)
+            self.keeping = fresh or self.found is None
+            self.group, self.scale, self.rng = [], self.state.scaler.scale_value() if self.keeping else 1.0, []
+        if self.keeping:
+            self.group.append(batch)
+            self.rng.append(torch_rng_state())  # (the replay draws the dropout masks the step draws for it)
 
     def after(self, record: StepRecord, fresh: bool = False) -> str | None:
         """The finding for the run's first skipped step (None before it, and for clean steps).

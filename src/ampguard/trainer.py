@@ -560,8 +560,8 @@ class Trainer:
                         raise        # waiting in the step's collectives; the traceback ends the job (torchrun)
                 raise BadBatch(why) from None
             self.throughput.add(batch[0])
-            if self.diagnosis is not None:
-                self.diagnosis.capture(batch)
+            if self.diagnosis is not None:  # (kept while a replay may read it: review 53h)
+                self.diagnosis.capture(batch, fresh=self.config.diagnose.strict)
             evidence = self.rollbacks.evidence
             if evidence is not None:
                 evidence.capture(batch)
