@@ -29,7 +29,6 @@ from .errors import ExitCode, InputError, failed_because, first_line, table_cell
 from .errors import shown as shown_path
 from .files import temporary_beside
 from .monitor import RunMonitor
-from .precision import uses_loss_scaler
 from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at,
                      finite_points, import_pyplot, judged_at_end, panel_title, plot_metadata, policy_changes_of,
                      read_card, read_held_out, reading_notes, replay, rollbacks_of, rolling_skip_rate, scale_restarts,
@@ -111,7 +110,7 @@ def load_run(path: str | Path) -> RunSummary:
     if not rows:
         raise InputError(f"compare: {folder / 'steps.csv'} has no steps, nothing to compare")
     ended, card = _card(folder / "RUN.md")
-    scaler_on = uses_loss_scaler(config.precision) if config.scaler.enabled is None else config.scaler.enabled
+    scaler_on = config.scaler_on
     # the run's own monitor, under the thresholds each step ran with (a resume may have changed them)
     log = LoggedEvents(folder)  # (read once: one history for the replay and its notes)
     policy, rollbacks = policy_changes_of(log), rollbacks_of(log)

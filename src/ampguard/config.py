@@ -1229,6 +1229,23 @@ class Config(_Section):
         # (each listing fires: spike@5 twice is x 1e16, not the fault asked for)
         return _listed_once(v, " (each listing fires: list it once)")
 
+    @property
+    def scaler_on(self) -> bool:
+        """Whether the run goes through a loss scaler: ``scaler.enabled`` where given (``true`` only
+        under a precision that has one: refused otherwise), else the precision's rule
+        (:func:`~ampguard.precision.uses_loss_scaler`, fp16). The one answer the trainer, report,
+        compare and locate read (review 53h: it was written out in each).
+
+        Example::
+
+            >>> Config(precision="fp16").scaler_on, Config(precision="bf16").scaler_on
+            (True, False)
+            >>> validate({"precision": "fp16", "scaler": {"enabled": False}}).scaler_on
+            False
+        """
+        enabled = self.scaler.enabled
+        return uses_loss_scaler(self.precision) if enabled is None else bool(enabled)
+
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Config:
         if self.fp32_modules and self.precision == "fp8":
@@ -1652,8 +1669,7 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         return (under("log.name", "validate names its report folder itself (log.dir/validate-<time>, or --out)")
                 + under("inject", "validate injects no faults"))
     lines = []
-    no_scaler = config.scaler.enabled is False or not uses_loss_scaler(config.precision)
-    if no_scaler:
+    if not config.scaler_on:
         why = "scaler.enabled is false" if config.scaler.enabled is False else \
             f"precision {config.precision} uses no loss scaler"
         lines += under("scaler.", why)
@@ -1677,7 +1693,7 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
     if mon.headroom.every is None:  # review 53a: alert_bits / format without the monitor were silent
         lines += under("monitor.headroom.", "monitor.headroom.every is not set (headroom telemetry off)",
                        switch="every")
-    collapse = mon.fail_on_scale_collapse and not no_scaler
+    collapse = mon.fail_on_scale_collapse and config.scaler_on
     if mon.fail_rate is None and not collapse:  # (the CLI's --fail-after is refused so)
         lines += under("monitor.fail_after", "monitor.fail_rate is not set and no scale-collapse guard runs "
                                              "(monitor.fail_on_scale_collapse with a loss scaler): nothing fails fast")

@@ -1622,7 +1622,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         n = config.accumulation_steps
         stream = injector.wrap_data(task.stream((step - 1) * n), first_step=step)  # seeks: no reading up to it
         batches = list(itertools.islice(stream, n))
-    scaler_on = precision.uses_scaler and config.scaler.enabled is not False  # else no saved scale applies
+    scaler_on = config.scaler_on  # else no saved scale applies
     loss_scale = _replay_scale(given=scale, batch_file=batch_scale if scaler_on else None,
                                checkpoint=checkpoint_scale if scaler_on else None, init=initial_scale(config, device))
     injector.current_step = step  # the faults of the replayed step (none for a saved batch)

@@ -1808,8 +1808,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     judged_rows = [r for r in rows if r.step > unseen] if unseen else rows
     # whether a loss scaler ran: the run's config says (a scale held at its floor 1 moves nothing); with
     # no config, what the CSV shows: a loss scale that moved, and where it started
-    scaler_on = (Precision(config.precision, "cpu").uses_scaler and config.scaler.enabled is not False
-                 if config_path.is_file() else any(r.scaler_scale not in (None, 1.0) for r in rows))
+    scaler_on = config.scaler_on if config_path.is_file() else any(r.scaler_scale not in (None, 1.0) for r in rows)
     init_scale = config.scaler.init_scale if config_path.is_file() else \
         _start_scale(judged_rows or rows, config.scaler.backoff_factor)
     growth_interval, defaults = config.scaler.growth_interval, None
