@@ -34,6 +34,7 @@ _WHERE = {
     "RunMonitor": "monitor",
     "Sink": "sinks",
     "SlowPrecisionWarning": "precision",
+    "ShortGroupWarning": "step",
     "SkipLog": "records",
     "StepLog": "records",
     "StepRecord": "records",

@@ -551,6 +551,12 @@ class UnsyncedReplicasWarning(AmpguardWarning):
     applies its own (a model not wrapped in DDP or FSDP2), and the replicas drift apart."""
 
 
+class ShortGroupWarning(AmpguardWarning):
+    """``guard.unscale_()`` before an accumulation group's last backward (a ported loop's
+    ``unscale_`` outside its ``if boundary:``): the ``step()`` after it ends the group short, its
+    update made of fewer micro-batches than the losses were divided by (review 53g)."""
+
+
 class Guard:
     """The guarded mixed-precision step as verbs around your own forward and loss.
 
@@ -721,6 +727,7 @@ class Guard:
         self.scaler = _adopt_scaler(scaler, precision)
 
         self._half_loss_said = False  # (a float16/bfloat16 loss: said once, Guard.backward)
+        self._short_group_said = False  # (a group closed short by an early unscale_(): said once, Guard.step)
         self._half_said = half_said
         self.monitors: dict[str, Any] = _Monitors()  # fed by the loop, saved here: name -> obj with state_dict()
         # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied
@@ -1215,10 +1222,24 @@ class Guard:
                                f"{list(self._group)}: step the same optimizers until the group closes")
         if not close and self._micro < self.accumulation_steps and self.scaler.any_unscaled(
                 self.optimizers[name] for name in names):
-            close = True  # unscale_() came after the group's last backward: it ends with the ones it has
+            close = early = True  # unscale_() came after the group's last backward: it ends with the ones it has
+        else:
+            early = False
         if close and self._micro < self.accumulation_steps and any(map(distributed.defers_sync, self._modules)):
             raise RuntimeError("Guard.step(close=True) cannot end a short group under DDP/FSDP2: its micro-batches "
                                "ran without the gradient all-reduce (the guard expected more); end groups full there")
+        if early and not self._short_group_said:
+            # review 53g: an unscale_() after every micro-batch (outside a ported loop's `if boundary:`) made
+            # each micro-batch an update of gradients divided by N, unsaid; the close stays (hooks that unscale
+            # before a framework's short last group's step), said once a guard unless the step says close=True
+            self._short_group_said = True
+            k, n = self._micro, self.accumulation_steps
+            warnings.warn(ShortGroupWarning(
+                f"Guard.unscale_() after micro-batch {k} of {n}: the group ends short, its update made of {k} "
+                f"micro-batch{'es' if k > 1 else ''} whose losses were divided by {n} (an unscale_() every "
+                f"micro-batch makes each one an update of gradients divided by {n}); call unscale_() after the "
+                "group's last backward (a loop whose data ended inside a group: guard.step(close=True))"),
+                stacklevel=user_stacklevel())
         self._backward_pending = False
         if self._micro < self.accumulation_steps and not close:
             self._group = names
@@ -1304,7 +1325,9 @@ class Guard:
         unscale: refused (it left every later ``backward()`` refused as "after unscale_()"). Inside
         an accumulation group it ends the group's backwards: the next ``step()`` closes the group
         with the micro-batches it has, as ``close=True`` (it returned ``None``, and every later
-        call was refused)."""
+        call was refused); unless that step says ``close=True`` (a loop whose data ended inside
+        the group), a :class:`ShortGroupWarning` says so, once a guard: an ``unscale_()`` every
+        micro-batch made each one an update of gradients divided by N, unsaid (review 53g)."""
         if not self._backward_pending:
             raise RuntimeError("Guard.unscale_(): nothing to unscale; call it after the group's last "
                                "guard.backward(loss), before guard.step()")

@@ -1,0 +1,87 @@
+"""Review 53g: what the guard's Python API took silently, where a seed's rule or the CLI speaks.
+
+``guard.unscale_()`` after every micro-batch (a ported loop's unscale_ outside its ``if
+boundary:``) turned each group of N into N updates of gradients divided by N, unsaid; the
+``scaler=`` settings of a precision that runs no loss scaler were dropped unsaid (the CLI says
+"precision bf16 uses no loss scaler: scaler.init_scale ignored"); a float16 weight under bf16
+was told to undo a cast it never had (".to(torch.bfloat16)").
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ampguard import AmpguardWarning, Guard
+from ampguard.step import ShortGroupWarning
+
+
+def _loss(model: nn.Module) -> torch.Tensor:
+    return model(torch.ones(2, 3)).pow(2).mean()
+
+
+def _guard(precision: str = "fp32", n: int = 4) -> tuple[nn.Module, Guard]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    return model, Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
+                        accumulation_steps=n, max_norm=None)
+
+
+def _short_group_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, ShortGroupWarning)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_unscale_after_every_micro_batch_is_said_once_with_the_groups_numbers(precision):
+    # review 53g: unscale_() per micro-batch (seed 001: once, after the group's backwards) made every
+    # micro-batch a step of gradients divided by 4, with no word; the groups still end short (the
+    # auto-close is kept), now said once per guard
+    model, guard = _guard(precision)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = []
+        for _ in range(8):
+            guard.backward(_loss(model))
+            guard.unscale_()
+            records.append(guard.step())
+    assert [r.step for r in records] == list(range(1, 9)) and guard.updates == 8  # the behaviour kept
+    said = _short_group_warnings(caught)
+    assert len(said) == 1, said
+    assert said[0].startswith("Guard.unscale_() after micro-batch 1 of 4: the group ends short"), said[0]
+    assert "guard.step(close=True)" in said[0]
+    assert issubclass(ShortGroupWarning, AmpguardWarning)
+
+
+def test_the_warning_names_the_micro_batch_the_group_was_cut_at():
+    model, guard = _guard()
+    for _ in range(4):  # a whole group first
+        guard.backward(_loss(model))
+        guard.step()
+    guard.backward(_loss(model))
+    guard.step()
+    guard.backward(_loss(model))
+    with pytest.warns(ShortGroupWarning, match=r"^Guard\.unscale_\(\) after micro-batch 2 of 4: the group ends short"):
+        guard.unscale_()
+        assert guard.step().step == 2
+
+
+def test_close_true_after_unscale_and_a_full_group_say_nothing():
+    # the legitimate short group (a loop whose data ended inside a group, a framework's last short
+    # group) says close=True; a full group unscaled after its last backward is the recipe
+    model, guard = _guard()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShortGroupWarning)
+        guard.backward(_loss(model))
+        guard.step()
+        guard.backward(_loss(model))
+        guard.unscale_()
+        assert guard.step(close=True).step == 1  # a group of 2 of 4, said so
+        for _ in range(4):
+            guard.backward(_loss(model))
+            if guard.micro_batches == 4:
+                guard.unscale_()
+            record = guard.step()
+        assert record.step == 2
