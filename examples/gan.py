@@ -77,7 +77,7 @@ def train(args: argparse.Namespace) -> int:
     optimizers = {"discriminator": torch.optim.Adam(discriminator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
                   "generator": torch.optim.Adam(generator.parameters(), lr=1e-3, betas=(0.5, 0.999))}
     guard = Guard({"generator": generator, "discriminator": discriminator}, optimizers, precision=args.precision,
-                  max_norm=5.0, scaler={"init_scale": 1024.0})
+                  max_norm=5.0, scaler={"init_scale": 1024.0} if args.precision == "fp16" else None)
     probe = torch.randn(512, 8, generator=data)
     with torch.no_grad():
         start = ring_distance(generator(probe))

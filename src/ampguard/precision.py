@@ -1077,13 +1077,20 @@ def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
     dict), checked where they are given, before any step: each key one of :data:`SCALER_KEYS`,
     each value in its range (:meth:`Precision.make_scaler`'s checks), ``enabled: true`` only for a
     precision that runs a loss scaler. For one that runs none the other settings are taken and do
-    nothing, as the config's ``scaler`` section under bf16 (a loop that switches precision keeps
-    one set of them).
+    nothing (a loop that switches precision keeps one set of them), and said, once, as the CLI
+    says the config's ``scaler`` section under bf16 (review 53g: the API dropped them unsaid);
+    ``enabled`` alone says nothing. A caller that fills in defaults passes only what applies
+    (the trainer, :func:`ampguard.build.scaler_settings`), so it is the user's keys that are named.
 
     Example::
 
         >>> check_scaler_settings("fp16", {"init_scale": 1024.0, "min_scale": 1.0})
-        >>> check_scaler_settings("bf16", {"init_scale": 4.0, "enabled": False})
+        >>> check_scaler_settings("bf16", {"enabled": False})
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("always")
+        ...     check_scaler_settings("bf16", {"init_scale": 4.0, "enabled": False})
+        >>> [str(w.message) for w in said]
+        ['precision bf16 uses no loss scaler: scaler settings init_scale ignored']
         >>> check_scaler_settings("fp16", {"init_scal": 4.0})
         Traceback (most recent call last):
         ...
@@ -1103,6 +1110,10 @@ def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
     if unknown:
         raise ValueError(f"scaler settings: unknown key {brief(unknown[0])} (the keys: {', '.join(SCALER_KEYS)})")
     Precision(precision, "cpu").make_scaler(**settings)  # (the values' ranges; enabled=True without a scaler)
+    ignored = [key for key in settings if key != "enabled"]
+    if ignored and not uses_loss_scaler(precision):
+        warnings.warn(f"precision {precision} uses no loss scaler: scaler settings {', '.join(ignored)} ignored",
+                      AmpguardWarning, stacklevel=user_stacklevel())
 
 
 def backend_of(device: torch.device) -> dict[str, Any]:

@@ -616,7 +616,8 @@ class Guard:
         device: the autocast device; defaults to the model's. A different one is an error.
         scaler: a ``GuardedGradScaler`` to use, a plain ``torch.amp.GradScaler`` (its settings
             and state are taken over), or keyword arguments for one (``init_scale``,
-            ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``).
+            ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``; under a
+            precision that runs no loss scaler said ignored, all but ``enabled``).
         scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step.
         sync_free: the fast path with **no** host read at all (see ``_finish_group_sync_free``):
             needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD) and tensor

@@ -16,7 +16,10 @@ import torch
 from torch import nn
 
 from ampguard import AmpguardWarning, Guard
+from ampguard.precision import check_scaler_settings
 from ampguard.step import ShortGroupWarning
+
+from helpers import train
 
 
 def _loss(model: nn.Module) -> torch.Tensor:
@@ -85,3 +88,38 @@ def test_close_true_after_unscale_and_a_full_group_say_nothing():
                 guard.unscale_()
             record = guard.step()
         assert record.step == 2
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_scaler_settings_a_precision_without_a_scaler_ignores_are_said_naming_the_keys(precision):
+    # review 53g: the CLI said "precision bf16 uses no loss scaler: scaler.init_scale ignored"; the
+    # API took scaler=dict(init_scale=...) and dropped it, unsaid
+    model = nn.Linear(3, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
+                      scaler=dict(init_scale=1024.0, growth_interval=10, enabled=False))
+    said = [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
+    assert said == [f"precision {precision} uses no loss scaler: scaler settings init_scale, growth_interval "
+                    "ignored"], said
+    assert not guard.scaler.is_enabled()
+
+
+def test_scaler_settings_that_apply_say_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AmpguardWarning)
+        check_scaler_settings("bf16", {"enabled": False})
+        check_scaler_settings("bf16", {})
+        check_scaler_settings("fp16", {"init_scale": 1024.0, "growth_interval": 10})
+
+
+def test_a_bf16_train_run_says_its_ignored_scaler_settings_once_and_none_by_default(tmp_path):
+    # the trainer handed the guard the config's whole scaler section (every default): the guard
+    # must not say again, or at all, what the config's check says once
+    base = ("--set", "task.name=linear", "--set", "precision=bf16", "--set", "steps=2")
+    code, _, err = train(tmp_path, "plain", *base)
+    assert code == 0 and "loss scaler" not in err, err
+    code, _, err = train(tmp_path, "given", *base, "--set", "scaler.init_scale=1024")
+    assert code == 0, err
+    assert err.count("uses no loss scaler") == 1, err
+    assert "ampguard: warning: precision bf16 uses no loss scaler: scaler.init_scale ignored" in err
