@@ -959,7 +959,7 @@ class Precision:
             >>> Precision("bf16", "cpu").check(torch.nn.Linear(2, 2).half(), torch.device("cpu"))
             Traceback (most recent call last):
             ...
-            ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.bfloat16))
+            ValueError: parameter 'weight' is float16, but bf16 mixed precision keeps FP32 master weights: autocast computes in bf16 while the optimizer updates float32 weights, so small updates are not lost to rounding; keep the model in float32 (no .half() / .to(torch.float16))
         """
         # (float64 weights hold more than the master weights need: theirs to choose)
         # (frozen ones: no master weights to keep, nothing updates them: a bf16 backbone under trained adapters)
@@ -975,11 +975,13 @@ class Precision:
                 "in float32")
         if param is not None:
             kind = str(param.dtype).removeprefix("torch.")
+            # review 53g: the cast named was the precision's, not the weight's: a float16 weight under
+            # bf16 was told "(no .half() / .to(torch.bfloat16))" (validate's refusal names it so already)
+            undo = ".half() / .to(torch.float16)" if param.dtype == torch.float16 else f".to(torch.{kind})"
             raise ValueError(
                 f"parameter {name!r} is {kind}, but {self.name} mixed precision keeps FP32 master weights: "
                 f"autocast computes in {self.name} while the optimizer updates float32 weights, so small "
-                f"updates are not lost to rounding; keep the model in float32 (no .half() / "
-                f".to(torch.{'bfloat16' if self.name == 'bf16' else 'float16'}))")
+                f"updates are not lost to rounding; keep the model in float32 (no {undo})")
         name, param = next(((n, p) for n, p in half if p.requires_grad), (None, None))
         half_trained = param is not None and not self.autocasts
         if half_trained and say_half:  # (fp32: pure half precision is the user's choice: said)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ampguard import AmpguardWarning, Guard
-from ampguard.precision import check_scaler_settings
+from ampguard.precision import Precision, check_scaler_settings
 from ampguard.step import ShortGroupWarning
 
 from helpers import train
@@ -123,3 +123,11 @@ def test_a_bf16_train_run_says_its_ignored_scaler_settings_once_and_none_by_defa
     assert code == 0, err
     assert err.count("uses no loss scaler") == 1, err
     assert "ampguard: warning: precision bf16 uses no loss scaler: scaler.init_scale ignored" in err
+
+
+@pytest.mark.parametrize("dtype, cast", [(torch.float16, r"\(no \.half\(\) / \.to\(torch\.float16\)\)$"),
+                                         (torch.bfloat16, r"\(no \.to\(torch\.bfloat16\)\)$")])
+def test_a_half_weights_refusal_names_the_cast_of_the_dtype_found(dtype, cast):
+    # review 53g: a float16 weight under bf16 was told "(no .half() / .to(torch.bfloat16))"
+    with pytest.raises(ValueError, match=rf"^parameter 'weight' is {str(dtype)[6:]}, .*{cast}"):
+        Precision("bf16", "cpu").check(nn.Linear(2, 2).to(dtype), torch.device("cpu"))
