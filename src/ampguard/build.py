@@ -78,7 +78,7 @@ def initial_scale(config: Config, device: torch.device) -> float:
         >>> initial_scale(validate({"precision": "bf16"}), torch.device("cpu"))
         1.0
     """
-    return float(config.scaler.init_scale) if _scaler_on(config, device) else 1.0
+    return float(config.scaler.init_scale) if config.scaler_on else 1.0
 
 
 def scaler_settings(config: Config) -> dict[str, Any]:
@@ -96,15 +96,10 @@ def scaler_settings(config: Config) -> dict[str, Any]:
         {'enabled': None}
     """
     s = config.scaler
-    if not uses_loss_scaler(config.precision):
+    if not uses_loss_scaler(config.precision):  # (not scaler_on: fp16 with enabled: false keeps its settings)
         return dict(enabled=s.enabled)
     return dict(enabled=s.enabled, init_scale=s.init_scale, growth_factor=s.growth_factor,
                 backoff_factor=s.backoff_factor, growth_interval=s.growth_interval, min_scale=s.min_scale)
-
-
-def _scaler_on(config: Config, device: torch.device) -> bool:
-    enabled = config.scaler.enabled
-    return precision_of(config, device).uses_scaler if enabled is None else enabled
 
 
 def make_optimizer(config: Config, model: nn.Module, fast: bool = False) -> torch.optim.Optimizer:
