@@ -1201,6 +1201,31 @@ class Guard:
         After every step all the guard's gradients are dropped, the unstepped optimizers' too
         (as a GAN's ``zero_grad`` before each backward drops what the other loss left there).
         """
+        called = self._step_call(which, close)  # the call's order checked; the names, whether the group ends now
+        if called is None:  # (a close after the loop, which ended on a group's boundary: nothing open)
+            return None
+        names, close = called
+        self._backward_pending = False
+        if self._micro < self.accumulation_steps and not close:  # inside an accumulation group
+            self._group = names
+            return None
+        self._group = None
+        steps = self.steps  # (_dropped puts the count back for a step that did not run)
+        self._stepped = self._tail_found = self._owed = None
+        try:
+            return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
+        except BaseException as err:  # (free until something raises: no context manager on the hot path)
+            self._dropped(err, "step", steps)
+            raise
+
+    def _step_call(self, which: tuple[str | torch.optim.Optimizer, ...], close: bool
+                   ) -> tuple[tuple[str, ...], bool] | None:
+        """:meth:`step`'s call checked before anything moves: refused out of order (no backward
+        since the last step, a backward from outside the guard, other optimizers than the
+        group's; a short group under DDP/FSDP2), else ``(names, close)``: the optimizers to step
+        and whether the group ends now (``close``, or an ``unscale_()`` that came before its last
+        backward: said once, :class:`ShortGroupWarning`); None for a close after the loop with no
+        group open. A refusal keeps the group as it was."""
         after_loop = not self._backward_pending and close  # the group a loader ended inside, closed after the loop
         if after_loop and not self._micro:  # (it ended on a group's boundary: nothing open, nothing to close)
             return None
@@ -1241,18 +1266,7 @@ class Guard:
                 f"micro-batch makes each one an update of gradients divided by {n}); call unscale_() after the "
                 "group's last backward (a loop whose data ended inside a group: guard.step(close=True))"),
                 stacklevel=user_stacklevel())
-        self._backward_pending = False
-        if self._micro < self.accumulation_steps and not close:
-            self._group = names
-            return None
-        self._group = None
-        steps = self.steps  # (_dropped puts the count back for a step that did not run)
-        self._stepped = self._tail_found = self._owed = None
-        try:
-            return self._finish_group_sync_free() if self.sync_free else self._finish_group(names)
-        except BaseException as err:  # (free until something raises: no context manager on the hot path)
-            self._dropped(err, "step", steps)
-            raise
+        return names, close
 
     def _refused(self, err: BaseException, where: str) -> None:
         """A call refused (out of order, a typo'd optimizer, a gradient from outside the guard):
@@ -1383,7 +1397,7 @@ class Guard:
             return self._params_of[names[0]]
         return [p for p, owner in self._owned if owner in names]
 
-    def _measure_group(self, names: tuple[str, ...]
+    def _unscale_and_measure(self, names: tuple[str, ...]
                      ) -> tuple[GradSet, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
         """Count the step (``steps + 1``; the group's micro-batch count back to 0), then unscale,
         take the global norm, agree across ranks: ``(grads, loss, mark, pre, each, origin)``. No host read.
@@ -1484,14 +1498,17 @@ class Guard:
         lr = self.optimizers[names[0]].param_groups[0]["lr"]
         if isinstance(lr, torch.Tensor):  # a tensor lr is updated in place by the scheduler: keep this step's
             lr = lr.detach().clone()
-        grads, loss, mark, pre, each, origin = self._measure_group(names)
+        # 1. count the step, unscale, the pre-clip global norm (the non-finite detector), agreed over ranks
+        grads, loss, mark, pre, each, origin = self._unscale_and_measure(names)
         factor = clip_coefficient(pre, self.max_norm)  # the clip of them all (unused if any is skipped)
         post, carried = self._post_clip(pre, factor)  # (post None: the host computes it from the factor read)
+        # 2. the one host read: was the loss (seeded 0 in its backward) or a gradient non-finite?
         read = self._read_back(loss, pre, carried, mark, each, origin)
         skipped, applied = _partition(names, read)
         # the running statistics (BatchNorm's) back as the step found them when it skipped whole
         # (decided: a skip hook or an optimizer raising after this leaves them so too)
         self._running_stats.end_step(skipped=bool(skipped) and not applied)
+        # 3. skip (the scaler told found_inf) or clip, then the optimizers' steps
         if skipped:  # the record's post-clip norm is then what is applied
             post = self._clip_applied(grads, applied)
             for name in skipped:
@@ -1507,11 +1524,11 @@ class Guard:
         # (update() itself raising, a device error: nothing settles the step again; an update
         # that stood stays counted, its schedulers not stepped, and a decided skip is taken back)
         self._owed = None
-        self.scaler.update()
+        self.scaler.update()  # 4. every step, skipped or not: the scale backs off or grows
         self._owed = _Owed(names, skipped, True)  # (settled: a scheduler raising leaves a step that ran)
-        self._step_schedulers(names, applied)
+        self._step_schedulers(names, applied)  # 5. the schedulers, held where the step skipped
         self._owed = None
-        self._zero_grad()
+        self._zero_grad()  # 6. the gradients dropped, the record
         return self._record(names, skipped, read, lr, loss, pre, post)
 
     def _read_back(self, loss: torch.Tensor, pre: torch.Tensor, carried: torch.Tensor, mark: torch.Tensor,
@@ -1626,7 +1643,7 @@ class Guard:
         ``GradScaler.step``) and to the scaler's found-inf record (so ``update()`` backs off).
         Clipping runs unconditionally: on a skipped step it scales gradients nobody will use.
         """
-        grads, loss, mark, pre, _, origin = self._measure_group(tuple(self.optimizers))
+        grads, loss, mark, pre, _, origin = self._unscale_and_measure(tuple(self.optimizers))
         self._set_lrs()  # this step's LR, from the count before it
         lr = self.optimizer.param_groups[0]["lr"]
         tail = _compiled_tail() if self.fuse_tail else sync_free_tail
