@@ -63,16 +63,11 @@ def rng_state() -> dict[str, Any]:
         >>> torch.equal(first[0], again[0]), first[1:] == again[1:]
         (True, True)
     """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with matplotlib
-        return state
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = rng_snapshot()
+    if "numpy" in state:  # (as a checkpoint file holds it: a tensor of its keys, plain numbers)
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
     return state
 
 
@@ -113,9 +108,7 @@ def rng_snapshot() -> dict[str, Any]:
         >>> torch.equal(first[0], again[0]), first[1:] == again[1:], type(saved["numpy"]) is tuple
         (True, True, True)
     """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state = {**torch_rng_state(), "random": random.getstate()}
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy comes with matplotlib
