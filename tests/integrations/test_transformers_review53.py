@@ -108,16 +108,26 @@ def test_adafactor_relative_step_logs_its_real_lr_and_trains_as_the_stock_traine
 
 
 def test_after_an_applied_step_hf_sees_the_applied_gradients_until_its_zero_grad(tmp_path):
-    # what HF's loop (its scheduler, an on_pre_optimizer_step callback) finds between the guard's
-    # step and model.zero_grad(): the applied (clipped) gradients, as the stock Trainer leaves them;
-    # none after a skipped step (DESIGN: a skip drops them)
+    # what HF's loop finds between the guard's step and model.zero_grad(): HF's optimizer.step()
+    # (the guard's no-op) puts the applied (clipped) gradients back, so its scheduler and an
+    # on_optimizer_step callback see them, as the stock Trainer leaves them; an on_pre_optimizer_step
+    # callback, before that call, sees none (review 53i: 5eb7128 put them back before it, and a
+    # callback measuring them in place was refused as a backward); none after a skipped step
+    # (DESIGN: a skip drops them)
     from transformers import TrainerCallback
 
-    seen = []
+    seen = {"pre": [], "post": []}
 
     class Look(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            seen.append([p.grad is not None for p in model.parameters()])
+            seen["pre"].append([p.grad is not None for p in model.parameters()])
+
+        def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads = [p.grad for p in model.parameters()]
+            seen["post"].append([g is not None for g in grads])
+            if all(g is not None for g in grads):  # (the applied ones: clipped to max_grad_norm)
+                assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) == \
+                    pytest.approx(0.01, rel=1e-3)
 
     class NanAtTwo(GuardedTrainer):
         def compute_loss(self, model, inputs, **kwargs):
@@ -127,7 +137,9 @@ def test_after_an_applied_step_hf_sees_the_applied_gradients_until_its_zero_grad
     trainer = NanAtTwo(model=_model(), args=_args(tmp_path, "out", 3, max_grad_norm=0.01), train_dataset=_ids(),
                        ampguard=_quiet(), callbacks=[Look()])
     trainer.train()
-    assert [all(s) for s in seen] == [True, False, True] and [any(s) for s in seen] == [True, False, True]
+    assert [any(s) for s in seen["pre"]] == [False, False, False]
+    assert [all(s) for s in seen["post"]] == [True, False, True]
+    assert [any(s) for s in seen["post"]] == [True, False, True]
     assert all(p.grad is None for p in trainer.model.parameters())  # HF's model.zero_grad() dropped them
     rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
     assert [r["skip_reason"] for r in rows] == ["", "non_finite_loss", ""]

@@ -243,8 +243,6 @@ class AmpGuardCallback(TrainerCallback):
         self._csv: CsvSink | None = None
         self._events: EventLog | None = None
         self._pending: StepRecord | None = None  # GuardedTrainer's last record (written at take()): a group closed
-        # the gradients, each with its version, GuardedTrainer's step left for HF's loop (_leave_gradients)
-        self._left: Sequence[tuple[Any, Any, int]] = ()
         self._guarded = False
         self._scaler: dict[str, float] | None = None  # the loss scaler's init_scale, floor and growth interval, if any
         self._watch: dict[str, Any] = {}  # stock Trainer: what on_pre_optimizer_step saw
@@ -299,7 +297,6 @@ class AmpGuardCallback(TrainerCallback):
         A second stop signal waits until the row and the monitor's events are written."""
         self._guarded = True
         self._pending = record  # (on_pre_optimizer_step: a guarded step closed this group)
-        self._left = ()  # (GuardedTrainer sets it next: an applied step's gradients, left for HF's loop)
         stop = self._stop
         if stop is not None:
             stop.holding = True
@@ -642,16 +639,19 @@ class AmpGuardCallback(TrainerCallback):
                     "training_step is overridden without calling super().training_step(model, inputs, "
                     "num_items_in_batch), so nothing checks, clips or skips (and fp16 would not even autocast); "
                     "call it, or train with a stock Trainer")
-            left, self._left = self._left, ()  # (its tensors not held past here: HF's zero_grad frees them)
-            if _gradients_made_after(left, kwargs["optimizer"]):
-                # the guard dropped the group's gradients when it stepped, or left the applied ones
-                # (review 53c): these came after it (an auxiliary loss's backward after
-                # super().training_step), and HF would apply them, unchecked and unclipped, as a
-                # second update the records never show
+            if holds_gradients(kwargs["optimizer"]):
+                # the guard dropped the group's gradients when it stepped (an applied step's go back
+                # on in HF's optimizer.step(), after this: GuardedTrainer._put_back_gradients), so
+                # these came after it (an auxiliary loss's backward after super().training_step).
+                # Review 53i: since 5eb7128 put them back before the callbacks, a callback that only
+                # measured them in place (clip_grad_norm_(params, inf)) was refused here as such a
+                # backward; and the line said HF would apply them: its step after the guard's does
+                # nothing, and its model.zero_grad() drops them, so that loss would silently not train
                 raise RuntimeError(
                     "GuardedTrainer: gradients made after the guarded step (a backward of your own after "
-                    "super().training_step(...)) would be applied by HF's optimizer step, unchecked and unclipped; "
-                    "add that loss to the one compute_loss returns")
+                    "super().training_step(...)) would never be applied: HF's optimizer step after the guard's "
+                    "does nothing and HF's model.zero_grad() drops them, so that loss would not train; add it to "
+                    "the one compute_loss returns")
             return
         self._stop_noting()
         optimizer = kwargs["optimizer"]
@@ -673,7 +673,7 @@ class AmpGuardCallback(TrainerCallback):
         here only for a stock step no ``on_optimizer_step`` took); a failure stops the Trainer."""
         if not self._guarded and self._watch:
             self._write(self._watched(kwargs.get("optimizer"), state.global_step))
-        self._pending, self._left = None, ()
+        self._pending = None
         self._stop_training(control)
         self._stop_at_step_end(args, state, control)
 
@@ -1026,19 +1026,12 @@ def _shown(value: Any) -> str:
     return f"{type(value).__name__} {shortened(repr(value), 60)}"
 
 
-def _gradients_made_after(left: Sequence[tuple[Any, Any, int]], optimizer: Any) -> bool:
-    """Whether a backward reached ``optimizer``'s parameters after the guard's step: with no
-    gradients ``left`` (a skip drops them), any gradient; else one that is not the one left, or
-    that was added to in place since (its version moved). O(parameters), attribute reads only."""
-    if not left:
-        return holds_gradients(optimizer)
-    return any(p.grad is not grad or (grad is not None and grad._version != version) for p, grad, version in left)
-
-
 def _refused_backward(*args: Any, **kwargs: Any) -> None:
+    # (review 53i: it said these gradients "would be applied unchecked and unclipped"; HF's optimizer
+    # step after the guard's does nothing, and HF's model.zero_grad() would have dropped them)
     raise RuntimeError("GuardedTrainer: accelerator.backward() beside the guard: the guard backs the loss "
-                       "training_step computes, and these gradients would be applied unchecked and unclipped; add "
-                       "this loss to the one compute_loss returns")
+                       "training_step computes, and these gradients would never be applied (HF's optimizer step "
+                       "after the guard's does nothing); add this loss to the one compute_loss returns")
 
 
 class GuardedTrainer(Trainer):
@@ -1092,12 +1085,13 @@ class GuardedTrainer(Trainer):
     turned Accelerate's off).
 
     Limits: the guard steps inside ``training_step``, so when HF's ``on_pre_optimizer_step``
-    and ``on_optimizer_step`` callbacks run, the step is already applied (or skipped): a
-    callback that reads gradients there sees the applied ones (unscaled and clipped; HF's
-    ``model.zero_grad()`` drops them after its scheduler's step, as in the stock Trainer), and
-    none after a skipped step (the norms are in each CSV row, in ``self.record`` and in HF's
-    logged ``grad_norm``). The guard is built at the first step (``self.guard``), or when a
-    resume loads its state.
+    and ``on_optimizer_step`` callbacks run, the step is already applied (or skipped): an
+    ``on_pre_optimizer_step`` callback sees no gradients; an ``on_optimizer_step`` one sees an
+    applied step's (unscaled and clipped: HF's ``optimizer.step()`` puts them back for its
+    scheduler, and its ``model.zero_grad()`` drops them after, as in the stock Trainer), none
+    after a skipped step (the norms are in each CSV row, in ``self.record`` and in HF's logged
+    ``grad_norm``). The guard is built at the first step (``self.guard``), or when a resume
+    loads its state.
     """
 
     def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
@@ -1148,7 +1142,7 @@ class GuardedTrainer(Trainer):
         """Each attempt builds its guard (``auto_find_batch_size`` begins the loop again after an
         out-of-memory, from step 0 or the checkpoint again, with the weights and the optimizer,
         state and all, that the attempt before left: HF keeps them)."""
-        self.guard, self.record, self._guard_stepped = None, None, False
+        self.guard, self.record, self._guard_stepped, self._applied = None, None, False, ()
         self.ampguard.autocast_dtypes = None  # (each attempt's first forward, each train()'s: its model, whole)
         return super()._inner_training_loop(*args, **kwargs)
 
@@ -1397,31 +1391,32 @@ class GuardedTrainer(Trainer):
         record = guard.step()
         if record is not None:
             self._guard_stepped = True  # (HF's optimizer.step() that follows does nothing)
+            # (an applied step's, put back in that call: _put_back_gradients; a skip's stay dropped)
+            self._applied = () if record.skipped else held
             guard.accumulation_steps = self.args.gradient_accumulation_steps  # (what its state_dict saves)
             self.record = record
             self.ampguard.take(record)
-            # (for the callback's check, in on_pre_optimizer_step, that no backward came after the step)
-            self.ampguard._left = self._leave_gradients(held) if not record.skipped else ()
             _report_skip(self.optimizer, record.skipped and self.scheduler_on_skip == "hold")
         return (loss if scaled_for_ga else loss / n).detach()
 
-    def _leave_gradients(self, held: Sequence[tuple[torch.nn.Parameter, torch.Tensor | None]]
-                         ) -> tuple[tuple[torch.nn.Parameter, torch.Tensor | None, int], ...]:
+    def _put_back_gradients(self) -> None:
         """An applied step's gradients (as applied: unscaled, clipped) put back on the parameters
+        by HF's ``optimizer.step()`` after the guard's (the no-op of :func:`_stepped_by_the_guard`),
         for the rest of HF's step, until its ``model.zero_grad()``, as the stock Trainer leaves
         them: HF's ``lr_scheduler.step()`` comes after the guard's step, and a schedule that reads
         them found none (review 53c: ``AdafactorSchedule`` counts the groups whose first parameter
         has a gradient; with none it wrote its base lr, 0.0, so HF logged ``learning_rate`` 0.0
-        and the CSV's ``lr`` was 0.0 at every step); an ``on_pre_optimizer_step`` callback sees
-        them too. A skipped step's stay dropped (DESIGN: a skip discards them). Only where HF's
-        ``optimizer.step()`` after the guard's does nothing (:func:`_stepped_by_the_guard`): else
-        it would apply them a second time. Returns each parameter, its gradient and that
-        gradient's version, for the callback's check that no backward came after the step."""
-        if not getattr(self.optimizer.step, "after_the_guards", False):
-            return ()
-        for p, grad in held:
+        and the CSV's ``lr`` was 0.0 at every step). HF's order is ``training_step`` (the guard's
+        step), ``on_pre_optimizer_step``, ``optimizer.step()`` (here), ``on_optimizer_step``,
+        ``lr_scheduler.step()``, ``model.zero_grad()``: so ``on_optimizer_step`` callbacks and the
+        scheduler see them, ``on_pre_optimizer_step`` callbacks see none, and any gradient there
+        came from a backward after the step (the callback refuses it). Review 53i: 5eb7128 put
+        them back right after the guard's step, and the check there, of each gradient's
+        ``_version``, refused a callback that only measured them in place. A skipped step's stay
+        dropped (DESIGN: a skip discards them)."""
+        applied, self._applied = self._applied, ()
+        for p, grad in applied:
             p.grad = grad
-        return tuple((p, grad, grad._version if grad is not None else 0) for p, grad in held)
 
     @property
     def autocast_dtypes(self) -> dict[str, str] | None:
@@ -1493,11 +1488,11 @@ def autocast_forward(model: torch.nn.Module, autocast: Callable[[], contextlib.A
 def _stepped_by_the_guard(trainer: GuardedTrainer) -> None:
     """HF's loop calls ``optimizer.step()`` after each group its ``training_step`` closed, and the
     guard has stepped the optimizer (or skipped the step) by then: that call does nothing. It found
-    no gradients (the guard dropped them; since review 53c an applied step's are put back for HF's
-    scheduler, :meth:`GuardedTrainer._leave_gradients`, and this call would apply them twice), but
-    an optimizer with state of its own per step (schedule-free's ``k``, its averaging weights) or
-    a step post-hook (an EMA) counted a second step per update, and one on a skipped step. A call
-    not after a guard's step (one's own) goes through to Accelerate's."""
+    no gradients (the guard dropped them; since review 53c this call puts an applied step's back,
+    for HF's scheduler, :meth:`GuardedTrainer._put_back_gradients`: applying them would apply them
+    twice), but an optimizer with state of its own per step (schedule-free's ``k``, its averaging
+    weights) or a step post-hook (an EMA) counted a second step per update, and one on a skipped
+    step. A call not after a guard's step (one's own) goes through to Accelerate's."""
     accelerated = trainer.optimizer
     previous = accelerated.step  # (Accelerate's, or an LR scheduler's wrapper of it)
     if accelerated is _inner(accelerated) or getattr(previous, "after_the_guards", False):  # (not Accelerate's; done)
@@ -1506,6 +1501,7 @@ def _stepped_by_the_guard(trainer: GuardedTrainer) -> None:
     def step(closure: Any = None) -> Any:
         if trainer._guard_stepped:
             trainer._guard_stepped = False
+            trainer._put_back_gradients()  # (an applied step's, for HF's scheduler: review 53c, 53i)
             accelerated._opt_called = True  # (what an LR scheduler's wrapper notes: the step was called)
             return None
         return previous(closure)
