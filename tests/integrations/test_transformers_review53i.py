@@ -3,7 +3,9 @@ an applied step's gradients back right after the guard's step, so a callback tha
 them in ``on_pre_optimizer_step`` (``clip_grad_norm_(params, inf)`` multiplies them in place by
 1.0) was refused as "a backward of your own" (it trained before, and under the stock Trainer);
 the refusal of a real backward after the step said HF would apply those gradients (its
-optimizer step after the guard's does nothing: they would be dropped). A one-layer GPT-2 from a GPT2Config, on the CPU."""
+optimizer step after the guard's does nothing: they would be dropped); and a crash inside it
+ended with the Guard's own-loop note ("the next guard.backward() begins a new step"), though its
+users never call the guard. A one-layer GPT-2 from a GPT2Config, on the CPU."""
 
 from __future__ import annotations
 
@@ -83,3 +85,20 @@ def test_a_backward_of_ones_own_after_the_step_is_refused_saying_its_gradients_w
     assert "would be applied" not in said
     assert trainer.guard.updates == 1
 
+
+def test_a_crash_inside_guardedtrainer_has_no_note_for_a_loop_of_ones_own(tmp_path):
+    # "the next guard.backward() begins a new step": the user of GuardedTrainer never calls the guard
+    model = _model()
+    calls = []
+
+    def boom(module, grad_in, grad_out):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a backward hook raised")
+
+    model.lm_head.register_full_backward_hook(boom)
+    trainer = GuardedTrainer(model=model, args=_args(tmp_path, "out", 3), train_dataset=_ids(), ampguard=_quiet())
+    with pytest.raises(RuntimeError, match="a backward hook raised") as crashed:
+        trainer.train()
+    assert not [n for n in getattr(crashed.value, "__notes__", []) if "guard.backward()" in n]
+    assert trainer.guard.updates == 1

@@ -448,6 +448,9 @@ class AmpGuardPlugin(_LightningPrecision):
         scaler = precision.make_scaler(**self.scaler_settings)
         guard = Guard(module, optimizers, precision=precision, max_norm=self.max_norm,
                       accumulation_steps=self._accumulation, scaler=scaler, frozen=self.frozen)
+        # (review 53i: a crash here ended with "the next guard.backward() begins a new step", the note
+        # for a loop of one's own that calls the guard; the plugin's user never does)
+        guard._loop_notes = False
         monitor = RunMonitor(max_norm=self.max_norm, scaler_enabled=scaler.is_enabled(),
                              init_scale=scaler.get_scale() if scaler.is_enabled() else None,
                              min_scale=scaler.get_min_scale(),

@@ -1222,6 +1222,9 @@ class GuardedTrainer(Trainer):
         guard = Guard(model, _inner(self.optimizer), precision=precision_of(self.args),  # (inside Accelerate's wrapper)
                       max_norm=self.args.max_grad_norm, accumulation_steps=self.args.gradient_accumulation_steps,
                       scaler=self.scaler_settings or None, frozen=self.frozen)
+        # (review 53i: a crash here ended with "the next guard.backward() begins a new step", the note
+        # for a loop of one's own that calls the guard; GuardedTrainer's user never does)
+        guard._loop_notes = False
         # the guard backs the loss training_step computes; an accelerator.backward of the user's (an
         # auxiliary loss after super().training_step) made gradients HF then applied, unguarded
         self.accelerator.backward = _refused_backward  # (this accelerator's own attribute, not the class's)
