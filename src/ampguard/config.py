@@ -1048,6 +1048,8 @@ class RollbackConfig(_Section):
         return _listed_once(v)  # (a trigger named twice is a typo for another, or nothing)
 
 
+TASK_SIZES = ("block_size", "n_layer", "n_head", "n_embd")
+"""The ``task`` settings that size a built-in model (charlm reads all four)."""
 PRESETS: dict[str, dict[str, int]] = {"gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}}
 """``task.preset``: named charlm sizes."""
 
@@ -1115,10 +1117,33 @@ class TaskConfig(_Section):
             raise ValueError(f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
         return self
 
+    @staticmethod
+    def reads(name: str | None, factory: str | None = None) -> tuple[str, ...]:
+        """The ``task`` settings the workload (built-in ``name``, or ``factory``) builds its model
+        and data from: what a checkpoint must have been trained with to be that model (review 53i:
+        validate, locate and ``--resume`` compared settings the task never reads, and refused the
+        same model). A factory gets the whole config: all of them. A built-in task reads its
+        ``name``, ``batch_size`` and its sizes (charlm all four, digits ``n_embd``, linear none);
+        never ``options`` (a factory's). ``preset`` is read by none: it only names sizes, which
+        the validator sets, so its sizes are what counts. The one table :meth:`unread` also says
+        from.
+
+        Example::
+
+            >>> TaskConfig.reads("digits"), TaskConfig.reads("linear")
+            (('name', 'factory', 'batch_size', 'n_embd'), ('name', 'factory', 'batch_size'))
+            >>> "options" in TaskConfig.reads("charlm", "f.py:build"), "preset" in TaskConfig.reads("charlm")
+            (True, False)
+        """
+        if factory:
+            return tuple(key for key in TaskConfig.model_fields if key != "preset")
+        sizes = {"charlm": TASK_SIZES, "digits": ("n_embd",)}.get(name or "", ())
+        return ("name", "factory", "batch_size", *sizes)
+
     def unread(self) -> list[str]:
-        """The settings given (not at their defaults) that the task does not read: a built-in
-        task reads no ``options`` (a factory's), digits no ``block_size``, ``n_layer``, ``n_head``,
-        linear none of the model's shape.
+        """The settings given (not at their defaults) that the task does not read (:meth:`reads`):
+        a built-in task reads no ``options`` (a factory's), digits no ``block_size``, ``n_layer``,
+        ``n_head``, linear none of the model's shape.
 
         Example::
 
@@ -1127,13 +1152,10 @@ class TaskConfig(_Section):
             >>> TaskConfig(name="charlm", n_layer=3).unread(), TaskConfig(factory="f.py:build", n_layer=3).unread()
             ([], [])
         """
-        if self.factory:
-            return []
-        read = {"charlm": ("block_size", "n_layer", "n_head", "n_embd"), "digits": ("n_embd",), "linear": ()}
+        read = self.reads(self.name, self.factory)
         default = TaskConfig()
-        return (["options"] if self.options else []) + [
-            key for key in ("block_size", "n_layer", "n_head", "n_embd")
-            if key not in read[self.name] and getattr(self, key) != getattr(default, key)]
+        return [key for key in ("options", *TASK_SIZES)
+                if key not in read and getattr(self, key) != getattr(default, key)]
 
 
 class Config(_Section):
