@@ -50,7 +50,8 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import MAX_DEPTH, Config, as_it_ran, flat_keys, is_plain, plain_data, read_file, yaml_spelled
+from .config import (MAX_DEPTH, PRESETS, Config, TaskConfig, as_it_ran, flat_keys, is_plain, plain_data, read_file,
+                     yaml_spelled)
 from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, shown, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
@@ -88,7 +89,8 @@ ROLLBACK_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG)
 RESUME_FIXED = ("precision", "accumulation_steps", "seed", "task", "optimizer.name",
                 "scaler.enabled", "optimizer.fused", "monitor.window", "rollback.window", "fp8")
 """Config keys a resumed run must keep: changing any would make it differ from the uninterrupted run.
-``scaler.enabled`` is compared as it takes effect (null is on for fp16); the two rolling windows'
+``scaler.enabled`` is compared as it takes effect (null is on for fp16), ``task`` as the settings the
+task reads (:func:`changed_task`: review 53i); the two rolling windows'
 contents are in the checkpoint, so their sizes cannot change (docs/resume.md has the table)."""
 POLICY = "policy_changes"
 """Payload key (meta, never restored as a part): the policy changes made on resume so far, each
@@ -1416,7 +1418,10 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None, 
         # a node's own task.options (its data path), as the run began with (check_same_configs
         # warns): the checkpoint's config is rank 0's, and a rank that gave its own again was
         # refused alone, the run never resumable (review 51g)
-        changed = changed_setting(saved, now, key, apart=("options",) if rank > 0 and key == "task" else ())
+        if key == "task":  # (the settings the task reads: review 53i)
+            changed = changed_task(saved, now, apart=("options",) if rank > 0 else ())
+        else:
+            changed = changed_setting(saved, now, key)
         if changed:
             key, a, b = changed
             raise InputError(f"--resume: {key} was {_short(a)} in {where}, now {_short(b)}; a resumed run must keep it")
@@ -1474,6 +1479,57 @@ def changed_setting(saved: Mapping[str, Any], now: Mapping[str, Any], key: str,
     return key, a, b
 
 
+def changed_task(saved: Mapping[str, Any], now: Mapping[str, Any],
+                 apart: Iterable[str] = ()) -> tuple[str, Any, Any] | None:
+    """The first ``task`` setting that makes another model or data stream between two configs as
+    plain data (``saved``: a checkpoint's; ``now``), as :func:`changed_setting` gives it; None when
+    none does. The workload first (``task.name``, ``task.factory``: named before a size that
+    differs because of it), then only the settings that workload reads
+    (:meth:`~ampguard.config.TaskConfig.reads`): review 53i, a digits run was refused for an
+    ``n_head`` it never reads, a linear one for any size. ``preset`` is compared as the sizes it
+    sets (they are in the config, and filled in here for a config that lacks them): gpt2-small
+    and the same four sizes spelled out are one model. ``apart``: more of ``task``'s entries
+    left out. For :func:`check_resume` (whose :data:`RESUME_FIXED` ``task`` is this) and
+    :func:`check_task_settings`.
+
+    Example::
+
+        >>> changed_task({"task": {"name": "digits", "n_head": 4}}, {"task": {"name": "digits", "n_head": 8}})
+        >>> changed_task({"task": {"name": "charlm", "n_head": 4}}, {"task": {"name": "charlm", "n_head": 8}})
+        ('task.n_head', 4, 8)
+        >>> changed_task({"task": {"name": "digits", "n_embd": 8}}, {"task": {"name": "charlm", "n_embd": 64}})
+        ('task.name', 'digits', 'charlm')
+        >>> changed_task({"task": {"preset": "gpt2-small"}}, {"task": {"n_layer": 12, "n_head": 12, "n_embd": 768,
+        ...                                                            "block_size": 1024}})
+    """
+    for key in ("task.name", "task.factory"):
+        changed = changed_setting(saved, now, key)
+        if changed:
+            return changed
+    sides = [side.get("task") for side in (saved, now)]
+    if not all(isinstance(side, Mapping) for side in sides):  # (a checkpoint without a task section)
+        return changed_setting(saved, now, "task", apart)
+    sides = [_sized_task(side) for side in sides]
+    task = sides[1]
+    reads = TaskConfig.reads(task.get("name"), task.get("factory"))
+    apart = {*apart, *(key for side in sides for key in side if key not in reads)}
+    return changed_setting({**saved, "task": sides[0]}, {**now, "task": sides[1]}, "task", apart)
+
+
+def _sized_task(task: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``task`` section (plain data) with its ``preset`` given as the sizes it sets, not by name:
+    the validator puts them in the config, here as well for one written without them.
+
+    Example::
+
+        >>> _sized_task({"preset": "gpt2-small", "name": "charlm"})
+        {'name': 'charlm', 'n_layer': 12, 'n_head': 12, 'n_embd': 768, 'block_size': 1024}
+    """
+    task = dict(task)
+    preset = task.pop("preset", None)
+    return {**task, **PRESETS[preset]} if isinstance(preset, str) and preset in PRESETS else task
+
+
 TASK_APART = ("batch_size", "options")
 """The ``task`` settings a checkpoint may be loaded under other values of: the batch size changes
 no model, and ``options`` are a factory's own (a data path among them: said, not refused)."""
@@ -1486,9 +1542,10 @@ def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path
     weights fit: review 53b, charlm's ``n_head`` changes no weight shape, and ``validate
     --checkpoint`` judged the trained weights in a model of another head count, ACCEPTED, a
     verdict about a model nobody trained. Compared as :func:`check_resume` compares a task
-    (:func:`changed_setting`), :data:`TASK_APART` apart; a ``task.options`` setting that differs
-    is said (an :class:`AmpguardWarning`: a factory's data path may be another on this machine).
-    Nothing to compare in a checkpoint without a task section. For validate and locate.
+    (:func:`changed_task`: only what the task reads, a preset as its sizes, review 53i),
+    :data:`TASK_APART` apart; a factory's ``task.options`` setting that differs is said (an
+    :class:`AmpguardWarning`: a factory's data path may be another on this machine). Nothing to
+    compare in a checkpoint without a task section. For validate and locate.
 
     Example::
 
@@ -1496,6 +1553,7 @@ def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path
         ...     check_task_settings({CONFIG: {"task": saved}}, now, "a.pt")
         >>> check({"name": "charlm", "n_head": 8, "batch_size": 4}, {"name": "charlm", "n_head": 8, "batch_size": 2})
         >>> check({"factory": "/old/project/m.py:build"}, {"factory": "/new/m.py:build"})  # moved: the same file
+        >>> check({"name": "digits", "n_head": 4}, {"name": "digits", "n_head": 8})  # (digits has no heads)
         >>> for saved, now in (({"name": "charlm", "n_head": 8}, {"name": "charlm", "n_head": 4}),
         ...                    ({"name": "digits"}, {"name": "charlm"})):
         ...     try:
@@ -1509,15 +1567,24 @@ def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path
     saved = config.get("task") if isinstance(config, Mapping) else None
     if not isinstance(saved, Mapping):
         return
-    changed = changed_setting({"task": saved}, {"task": now}, "task", apart=TASK_APART)
+    changed = changed_task({"task": saved}, {"task": now}, apart=TASK_APART)
     if changed:
         key, was, this = changed
         workload = ckpt.other_task(saved, now) if key in ("task.name", "task.factory") else ""
         if workload:  # (another workload: said as a misfit's is)
             raise InputError(f"{path}: {workload.removeprefix('; ')}")
+        ask = f"--set {key}={'null' if was is None else _value(was)}"
+        preset = PRESETS.get(now.get("preset") or "")
+        if preset and key.removeprefix("task.") in preset:
+            # review 53i: a size the config takes from its preset: --set of it alone clashes with
+            # the preset, and preset=null alone gives the default sizes: the run's sizes, all of them
+            sizes = _sized_task(saved)
+            ask = " ".join(["--set task.preset=null", *(f"--set task.{size}={_value(sizes.get(size))}"
+                                                        for size in preset)])
         raise InputError(f"{path}: it was trained with {key} {_value(was)}, this config's is {_value(this)}: "
-                         f"pass that run's config.yaml, or --set {key}={'null' if was is None else _value(was)}")
-    if "options" in saved:  # (a checkpoint from before the key: nothing to compare)
+                         f"pass that run's config.yaml, or {ask}")
+    if "options" in saved and "options" in TaskConfig.reads(now.get("name"), now.get("factory")):
+        # (a checkpoint from before the key: nothing to compare; a built-in task reads none)
         changed = changed_setting({"task": saved}, {"task": now}, "task.options")
         if changed:
             key, was, this = changed

@@ -449,6 +449,42 @@ def test_check_resume_refuses_a_fixed_key_change_naming_the_exact_field(change, 
     assert line == f"--resume: {field} was {was} in the checkpoint, now {now}; a resumed run must keep it"
 
 
+GPT2_SIZES = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
+SAME_TASK = [  # review 53i: settings the task never reads, and a preset against its own sizes spelled out
+    ({"name": "digits"}, {"name": "digits", "n_head": 8}),
+    ({"name": "digits"}, {"name": "digits", "block_size": 32, "n_layer": 3}),
+    ({"name": "linear"}, {"name": "linear", "n_embd": 32}),
+    ({"name": "linear", "options": {"w": 1}}, {"name": "linear"}),
+    ({"preset": "gpt2-small"}, GPT2_SIZES),
+    (GPT2_SIZES, {"preset": "gpt2-small"}),
+]
+
+
+def _task_resume(task: dict[str, Any]) -> Resume:
+    config = validate({**BASE, "task": task}).model_dump(mode="json")
+    return Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), _meta(8, config)), Path("run"))
+
+
+@pytest.mark.parametrize(("saved", "now"), SAME_TASK)
+def test_check_resume_keeps_only_the_task_settings_the_task_reads(saved, now):
+    # review 53i: a digits run resumed with another n_head (which digits never reads) was refused,
+    # and gpt2-small against the same sizes spelled out, though nothing changes either way
+    ck.check_resume(_task_resume(saved), _with(task=now), world_size=1)
+
+
+@pytest.mark.parametrize(("saved", "now", "field", "was", "is_now"), [
+    ({"name": "digits"}, {"name": "digits", "n_embd": 32}, "task.n_embd", "64", "32"),  # (digits' hidden width)
+    ({"name": "digits"}, {"name": "digits", "batch_size": 8}, "task.batch_size", "32", "8"),  # (its data stream)
+    ({"name": "linear"}, {"name": "linear", "batch_size": 8}, "task.batch_size", "32", "8"),
+    ({"preset": "gpt2-small"}, {**GPT2_SIZES, "n_head": 8}, "task.n_head", "12", "8"),
+    ({"name": "digits", "n_embd": 32}, {"name": "charlm", "n_embd": 64}, "task.name", "'digits'", "'charlm'"),
+])
+def test_check_resume_still_refuses_a_task_setting_the_task_reads(saved, now, field, was, is_now):
+    with pytest.raises(InputError) as err:
+        ck.check_resume(_task_resume(saved), _with(task=now), world_size=1)
+    assert one_line(err) == f"--resume: {field} was {was} in the checkpoint, now {is_now}; a resumed run must keep it"
+
+
 def test_check_resume_reads_an_older_checkpoints_fp8_exclude_listed_twice_as_it_ran():
     # a name listed twice in fp8.exclude (refused since) ran as if once; config.yaml reads it so
     # (config.as_it_ran), and so must the checkpoint's own copy, else its resume is refused
