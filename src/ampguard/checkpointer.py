@@ -1851,8 +1851,12 @@ def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:
     """The settings a resumed run changes (``config.yaml`` + ``--set`` against the checkpoint's
     config), each ``{"key", "old", "new", "step"}`` (``step``: the checkpoint's; the new value
     holds from the next step). Keys :func:`check_resume` refuses never get here; the sections in
-    :data:`POLICY_UNRECORDED` are not policy. A key the checkpoint's config lacks (written by an
-    older ampguard) compares with its default.
+    :data:`POLICY_UNRECORDED` are not policy, nor is ``task``: :func:`check_resume` refuses a
+    change to any setting the task reads (:func:`changed_task`), so one left is a setting it
+    does not read (a linear task's ``n_layer``, a preset spelled out as its sizes), which trains
+    nothing differently (review 53j: it was a POLICY line, a card row, and refused a finished
+    run's card rewrite as "would apply to no step"). A key the checkpoint's config lacks
+    (written by an older ampguard) compares with its default.
 
     Example::
 
@@ -1871,7 +1875,7 @@ def policy_changes(resume: Resume, config: Config) -> list[dict[str, Any]]:
     now = flat_keys(_effective(config.model_dump(mode="json")))
     changes = []
     for key, new in now.items():
-        if key.split(".")[0] in POLICY_UNRECORDED:
+        if key.split(".")[0] in (*POLICY_UNRECORDED, "task"):
             continue
         old = saved.get(key, default.get(key))
         if old != new:

@@ -472,6 +472,16 @@ def test_check_resume_keeps_only_the_task_settings_the_task_reads(saved, now):
     ck.check_resume(_task_resume(saved), _with(task=now), world_size=1)
 
 
+@pytest.mark.parametrize(("saved", "now"), SAME_TASK)
+def test_a_task_setting_the_task_does_not_read_is_no_policy_change(saved, now):
+    # review 53j: accepted on resume, it was a POLICY line and a card row ("task.n_layer 2 -> 3"),
+    # and a finished run's card rewrite was refused as "task.preset would apply to no step"
+    resume = _task_resume(saved)  # (at step 8 of 20)
+    assert ck.policy_changes(resume, _with(task=now)) == []
+    assert [c["key"] for c in ck.policy_changes(resume, _with(task=now, steps=30))] == ["steps"]
+    ck.check_left_to_train(resume, _with(task=now, steps=8))  # (ended at its checkpoint: the card rewritten)
+
+
 @pytest.mark.parametrize(("saved", "now", "field", "was", "is_now"), [
     ({"name": "digits"}, {"name": "digits", "n_embd": 32}, "task.n_embd", "64", "32"),  # (digits' hidden width)
     ({"name": "digits"}, {"name": "digits", "batch_size": 8}, "task.batch_size", "32", "8"),  # (its data stream)
