@@ -30,7 +30,7 @@ from .errors import AmpguardWarning, InputError, counted, first_line, listed, us
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, HeadroomCsv, check_headroom_rows
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
-from .precision import Precision, keep_in_fp32, release_fp32, scale_in_use, submodule, uses_loss_scaler
+from .precision import Precision, keep_in_fp32, release_fp32, scale_in_use, submodule
 from .run_folder import RunPaths
 from .schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
 from .sinks import OFF_LOG, ConsoleSink, CsvSink, JsonlSink, Sink, Sinks, TensorBoardSink
@@ -82,8 +82,8 @@ def initial_scale(config: Config, device: torch.device) -> float:
 
 
 def scaler_settings(config: Config) -> dict[str, Any]:
-    """The config's ``scaler`` section as :meth:`Precision.make_scaler` takes it; under a
-    precision that runs no loss scaler only ``enabled`` (review 53g: the guard says settings it
+    """The config's ``scaler`` section as :meth:`Precision.make_scaler` takes it; where no loss
+    scaler runs (:attr:`Config.scaler_on`) only ``enabled`` (review 53g: the guard says settings it
     ignores, and the whole section, defaults and all, made it say so on every bf16 run, after
     the config's own check had said what the user set, once).
 
@@ -94,9 +94,11 @@ def scaler_settings(config: Config) -> dict[str, Any]:
         4.0
         >>> scaler_settings(validate({"precision": "bf16", "scaler": {"min_scale": 4}}))
         {'enabled': None}
+        >>> scaler_settings(validate({"precision": "fp16", "scaler": {"enabled": False}}))
+        {'enabled': False}
     """
     s = config.scaler
-    if not uses_loss_scaler(config.precision):  # (not scaler_on: fp16 with enabled: false keeps its settings)
+    if not config.scaler_on:  # (fp16 with enabled: false too: the config's check said what it ignores)
         return dict(enabled=s.enabled)
     return dict(enabled=s.enabled, init_scale=s.init_scale, growth_factor=s.growth_factor,
                 backoff_factor=s.backoff_factor, growth_interval=s.growth_interval, min_scale=s.min_scale)

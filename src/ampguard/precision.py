@@ -1116,6 +1116,9 @@ def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
     if ignored and not uses_loss_scaler(precision):
         warnings.warn(f"precision {precision} uses no loss scaler: scaler settings {', '.join(ignored)} ignored",
                       AmpguardWarning, stacklevel=user_stacklevel())
+    elif ignored and settings.get("enabled") is False:  # (review 53j: said by the CLI, not by the library)
+        warnings.warn(f"the loss scaler is off (enabled: False): scaler settings {', '.join(ignored)} ignored",
+                      AmpguardWarning, stacklevel=user_stacklevel())
 
 
 def backend_of(device: torch.device) -> dict[str, Any]:

@@ -105,6 +105,21 @@ def test_scaler_settings_a_precision_without_a_scaler_ignores_are_said_naming_th
     assert not guard.scaler.is_enabled()
 
 
+def test_scaler_settings_of_a_scaler_turned_off_are_said_too(tmp_path):
+    # review 53j: fp16 with enabled=False dropped init_scale unsaid in the API (the CLI said it); a
+    # CLI run with the scaler off says it once, by the config's check, not again by the guard's
+    model = nn.Linear(3, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16",
+              scaler=dict(enabled=False, init_scale=8.0))
+    said = [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
+    assert "the loss scaler is off (enabled: False): scaler settings init_scale ignored" in said, said
+    base = ("--set", "task.name=linear", "--set", "precision=fp16", "--set", "steps=1", "--set", "scaler.enabled=false")
+    code, _, err = train(tmp_path, "off", *base, "--set", "scaler.init_scale=1024")
+    assert code == 0 and err.count("ignored") == 1 and "scaler.init_scale ignored" in err, err
+
+
 def test_scaler_settings_that_apply_say_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpguardWarning)
