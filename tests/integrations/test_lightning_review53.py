@@ -151,3 +151,13 @@ def test_self_clip_gradients_in_configure_gradient_clipping_is_refused_naming_th
         with pytest.raises(ValueError, match=r"remove the self\.clip_gradients\(\.\.\.\) call from "
                                              r"configure_gradient_clipping and give the plugin max_norm=0\.5"):
             _fit(ForwardingClip(), AmpGuardPlugin("bf16-mixed", log=False), epochs=1)
+
+
+def test_an_fp16_plugin_with_its_scaler_turned_off_takes_no_floor_nor_says_one():
+    # review 53j: AmpGuardPlugin("16-mixed", scaler={"enabled": False}) added its min_scale floor, then
+    # said "scaler settings min_scale ignored", a setting never given
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugin = AmpGuardPlugin("16-mixed", scaler={"enabled": False})
+    assert plugin.scaler_settings == {"enabled": False}
+    assert AmpGuardPlugin("16-mixed").scaler_settings == {"min_scale": 1.0}

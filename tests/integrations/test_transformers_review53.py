@@ -9,6 +9,7 @@ GPT2Config, on the CPU."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -164,3 +165,16 @@ def test_a_model_held_in_bf16_is_refused_at_the_first_step_as_the_readmes_hf_sec
     hf = " ".join(readme[readme.index("### Hugging Face Trainer"):readme.index("### Accelerate")].split())
     assert "dtype=torch.bfloat16" in hf and "dtype=torch.float32" in hf
     assert "is bfloat16, but bf16 mixed precision keeps FP32 master weights" in hf  # the refusal's own words
+
+
+def test_an_fp16_scaler_turned_off_takes_no_floor_nor_says_a_setting_never_given(tmp_path):
+    # review 53j: GuardedTrainer(scaler={"enabled": False}) under fp16 gave the guard a min_scale of
+    # its own, which it then said was ignored; the callback was told of a scaler that does not run
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = GuardedTrainer(model=_model(), args=_args(tmp_path, "off", 1, bf16=False, fp16=True),
+                                 train_dataset=_ids(), ampguard=_quiet(), scaler={"enabled": False})
+        trainer.train()
+    said = [str(w.message) for w in caught if "ignored" in str(w.message)]
+    assert said == [] and not trainer.guard.scaler.is_enabled(), said
+    assert trainer.scaler_settings == {"enabled": False}

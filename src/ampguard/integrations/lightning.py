@@ -230,7 +230,9 @@ class AmpGuardPlugin(_LightningPrecision):
         self.log = log
         # ampguard train's and GuardedTrainer's floor: the scale never falls below 1.0 (a floor of
         # 2**-126 took ~140 skips in a row to reach, so scale_alert and fail_on_scale_collapse never came)
-        self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if self.name == "fp16" else dict(scaler or {})
+        # (a scaler turned off takes no floor: review 53j, "min_scale ignored" said of a setting never given)
+        scaling = self.name == "fp16" and (scaler or {}).get("enabled") is not False
+        self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if scaling else dict(scaler or {})
         check_scaler_settings(self.name, self.scaler_settings)
         self.monitor_settings = dict(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                                      fail_after=fail_after, fail_on_scale_collapse=fail_on_scale_collapse,

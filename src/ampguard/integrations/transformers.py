@@ -1120,11 +1120,15 @@ class GuardedTrainer(Trainer):
         self.ampguard = ampguard
         # ampguard train's defaults: the scale never falls below 1.0 (scaler.min_scale)
         check_scaler_settings(precision_of(self.args), scaler or {})  # (an unknown key: here, not at the first step)
-        self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if precision_of(self.args) == "fp16" else {}
+        fp16 = precision_of(self.args) == "fp16"
+        scaling = fp16 and (scaler or {}).get("enabled") is not False
+        # (a scaler turned off takes no floor: review 53j, the guard said "min_scale ignored", a setting
+        # the user never gave; and the callback was told of a scaler that does not run)
+        self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if scaling else {"enabled": False} if fp16 else {}
         ampguard.attach({"init_scale": self.scaler_settings.get("init_scale", 2.0**16),
                          "min_scale": self.scaler_settings["min_scale"],
                          "growth_interval": self.scaler_settings.get("growth_interval", 2000)}
-                        if self.scaler_settings else None)
+                        if scaling else None)
         self.scheduler_on_skip = scheduler_on_skip
         self.guard: Guard | None = None
         self.record: StepRecord | None = None  # the last closed step's record
