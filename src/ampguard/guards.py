@@ -507,7 +507,8 @@ class Rollbacks:
         stale = [c for c in self.policy if c["step"] >= loaded.step and c["key"] != "scaler.init_scale"]
         lr = apply_policy_changes(stale, self.config, self.state, len(self.log) + 1, rolled_back=True)
         # the run card's "updates applied", final loss and held-out metrics are the model's it holds
-        undone = self.monitor.rolled_back(self.state.updates, (loaded.payload[STATE].get("monitors") or {}).get("run"))
+        undone = self.monitor.rolled_back(self.state.updates, (loaded.payload[STATE].get("monitors") or {}).get("run"),
+                                          skip_guard=decision.kind == SKIP_GUARD)
         restart_scale(self.monitor, self.state.scaler)  # (the checkpoint's scale: the next step runs with it)
         old, saved = self.data.position, int(loaded.payload[DATA])
         # never back onto the triggering step's own micro-batches (they end at the current position)

@@ -1135,6 +1135,9 @@ class RunMonitor:
             "max_rolling_skip_rate": 0.0,  # the raw rolling rate's highest (max_skip_rate: the judged one's)
             "final_loss": None, "final_loss_step": None,  # the last applied step's (finite) loss
             "unobserved": 0,  # steps 1..this were not observed: a resume without this monitor's state (begin_at)
+            # the windows were last restarted by the skip guard's rollback (its fail-fast, turned into a
+            # rollback): at_end judges the steps since it (review 53l)
+            "restarted_by_skip_guard": False,
         }
 
     # -------------------------------------------------------------- per record
@@ -1278,12 +1281,12 @@ class RunMonitor:
                 # once, and "for 5 consecutive steps" undercounted ten above the rate, review 50c)
                 past = f", past fail_after {self.fail_after}" if self.above_fail > self.fail_after else ""
                 self.failed = Event(step, "fail", (
-                    f"rolling skip rate above fail_rate {self.fail_rate:g} for {self.above_fail} consecutive steps"
+                    f"rolling skip rate above fail_rate {self.fail_rate:g} for {counted(self.above_fail, 'consecutive step')}"
                     f"{past} (now {rate:.3f} {over})"), {"skip_rate": rate, "window": self.window}, cause=FAIL_SKIP_RATE)
             elif self.fail_on_scale_collapse and self.at_floor_skipped >= self.fail_after:
                 self.failed = Event(step, "fail", (
                     f"loss scale at its floor scaler.min_scale {self.min_scale:g} with every step skipped "
-                    f"for {self.fail_after} consecutive steps" + ("" if self._floor_reached is None else (
+                    f"for {counted(self.fail_after, 'consecutive step')}" + ("" if self._floor_reached is None else (
                         f" (the first of them, step {self._floor_reached[0]}, ran at {self._floor_reached[1]:g}: "
                         "its back-off brought the scale to the floor)"))),
                     {"scale": scale, "min_scale": self.min_scale}, cause=FAIL_SCALE_COLLAPSE)
@@ -1366,6 +1369,18 @@ class RunMonitor:
                 f"skip rate above fail_rate {self.fail_rate:g} at every one of {run(judged)}{after} "
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
+        since = sum(steps for _, steps in self._runs)  # (the steps since the window restarted: the rollback's)
+        if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard \
+                and 0 < since < self.fail_after and self._steps_above(self.fail_rate) == since:
+            # review 53l: the skip guard's rollback restarts the count it tripped on; a run that ended
+            # before the count reached fail_after again, every step since the rollback above fail_rate,
+            # ended "finished", exit 0 (the same data without the rollback: exit 3). A spike's rollback
+            # is no failure taken back: a streak after it is judged as any run's last steps are
+            self.failed = Event(step, "fail", (
+                f"skip rate above fail_rate {self.fail_rate:g} at every one of the {counted(since, 'step')} since "
+                f"the rollback at step {self.steps - since} (the run ended before fail_after {self.fail_after} "
+                "consecutive steps)"), {"skip_rate": self.skip_rate, "window": self.window}, cause=FAIL_SKIP_RATE)
+            events.append(self.failed)
         return events
 
     def observe_eval(self, metrics: dict[str, float]) -> None:
@@ -1391,12 +1406,14 @@ class RunMonitor:
             if best is None or (value > best if higher else value < best):
                 self.eval_best[name] = value
 
-    def rolled_back(self, updates: int, saved: Mapping[str, Any] | None) -> int:
+    def rolled_back(self, updates: int, saved: Mapping[str, Any] | None, skip_guard: bool = False) -> int:
         """After a rollback to a checkpoint: the updates the model holds (``updates``), its last
         loss and held-out metrics as the checkpoint's monitor state ``saved`` had them (a run
         that ends before its next applied step reports the model it kept, not the step undone:
         a spike at the last step was the run's "final loss"), the rolling windows afresh
-        (:meth:`restart_windows`). Returns how many updates were undone.
+        (:meth:`restart_windows`); ``skip_guard``: the skip guard's rollback (its fail-fast turned
+        into one), whose trouble the end judges again (:meth:`at_end`). Returns how many updates
+        were undone.
 
         Example::
 
@@ -1416,6 +1433,7 @@ class RunMonitor:
             if "eval_last" in saved:
                 self.eval_last = dict(saved["eval_last"])
         self.restart_windows()
+        self.restarted_by_skip_guard = skip_guard
         return undone
 
     def begin_at(self, step: int) -> None:
@@ -1789,12 +1807,13 @@ class RunMonitor:
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
         "above_fail", "at_floor_skipped", "opening", "in_opening", "opening_settled", "first_loss", "best_loss",
         "eval_last", "eval_best", "max_rolling_skip_rate", "final_loss", "final_loss_step", "unobserved",
+        "restarted_by_skip_guard",
     )
     # new name -> its name in older states (an older state's judged maximum is the closest it holds)
     _RENAMED = {"at_floor_skipped": "below_min_scale", "max_rolling_skip_rate": "max_skip_rate"}
     _COUNTS = ("steps", "updates", "clipped", "alert_episodes", "above_fail", "at_floor_skipped", "opening",
                "unobserved")
-    _FLAGS = ("alerting", "scale_alerting", "in_opening", "opening_settled")
+    _FLAGS = ("alerting", "scale_alerting", "in_opening", "opening_settled", "restarted_by_skip_guard")
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-safe) from which :meth:`load_state_dict` continues identically.

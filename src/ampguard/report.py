@@ -878,7 +878,8 @@ def replay(rows: list[Row], monitor: RunMonitor | None = None, *, policy: Sequen
         if metrics is not None and metrics[i]:  # (evaluated on this step's model, before any rollback)
             monitor.observe_eval(metrics[i])
         for rollback in (r for r in rollbacks if r["step"] == row.step):  # (as guards.Rollbacks.apply did)
-            monitor.rolled_back(max(0, monitor.updates - rollback["updates_undone"]), kept.get(_checkpoint_step(rollback)))
+            monitor.rolled_back(max(0, monitor.updates - rollback["updates_undone"]), kept.get(_checkpoint_step(rollback)),
+                                skip_guard=rollback.get("kind") == "skip_guard")  # (guards.SKIP_GUARD)
         if row.step in ends and row is not rows[-1]:  # (an earlier part's end: the run judged it there)
             monitor.at_end(row.step)
         if row.step in targets:  # (a checkpoint is saved after its step's records and rollbacks)
