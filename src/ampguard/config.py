@@ -1674,6 +1674,8 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         ...     print(line)
         validate names its report folder itself (log.dir/validate-<time>, or --out): log.name ignored
         validate injects no faults: inject ignored
+        >>> ignored_settings(validate({"compile": True, "fast": True}), "validate")
+        ["validate runs the model eagerly, on the exact step (compile and the fast path are train's): compile, fast ignored"]
         >>> fp32 = validate({"precision": "fp32", "scaler": {"min_scale": 2, "init_scale": 4}})
         >>> ignored_settings(fp32, only=["scaler.init_scale"])  # (a resume's --set gave this one)
         ['precision fp32 uses no loss scaler: scaler.init_scale ignored']
@@ -1689,7 +1691,10 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
 
     if verb == "validate":
         return (under("log.name", "validate names its report folder itself (log.dir/validate-<time>, or --out)")
-                + under("inject", "validate injects no faults"))
+                + under("inject", "validate injects no faults")
+                # (review 53k: unsaid; validate judges the model as it computes eagerly, AMP against FP32)
+                + under(("compile", "fast"), "validate runs the model eagerly, on the exact step (compile and "
+                                             "the fast path are train's)"))
     lines = []
     if not config.scaler_on:
         why = "scaler.enabled is false" if config.scaler.enabled is False else \
