@@ -50,8 +50,8 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import (MAX_DEPTH, PRESETS, TASK_SIZES, Config, TaskConfig, as_it_ran, flat_keys, is_plain, plain_data,
-                     read_file, yaml_spelled)
+from .config import (MAX_DEPTH, PRESETS, Config, TaskConfig, as_it_ran, flat_keys, is_plain, plain_data, read_file,
+                     yaml_spelled)
 from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, shown, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
@@ -1575,18 +1575,12 @@ def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path
             raise InputError(f"{path}: {workload.removeprefix('; ')}")
         ask = f"--set {key}={'null' if was is None else _value(was)}"
         preset = PRESETS.get(now.get("preset") or "")
-        sizes, size = _sized_task(saved), key.removeprefix("task.")
-        differ = [s for s in TASK_SIZES if s in sizes and not _same(sizes.get(s), now.get(s))]
-        if saved.get("preset") in PRESETS and not preset and len(differ) > 1:
-            # review 53j: a preset run's checkpoint under other sizes (the defaults) was refused a
-            # size at a time, four rounds, never told the preset
-            ask = f"--set task.preset={saved['preset']}"
-        elif preset and size in preset:
+        if preset and key.removeprefix("task.") in preset:
             # review 53i: a size the config takes from its preset: --set of it alone clashes with
             # the preset, and preset=null alone gives the default sizes: the run's sizes, all of them
-            ask = " ".join(["--set task.preset=null", *(f"--set task.{s}={_value(sizes.get(s))}" for s in preset)])
-        elif size in TASK_SIZES:  # (every size that differs, in one line: not one refusal each)
-            ask = " ".join(f"--set task.{s}={_value(sizes.get(s))}" for s in differ)
+            sizes = _sized_task(saved)
+            ask = " ".join(["--set task.preset=null", *(f"--set task.{size}={_value(sizes.get(size))}"
+                                                        for size in preset)])
         raise InputError(f"{path}: it was trained with {key} {_value(was)}, this config's is {_value(this)}: "
                          f"pass that run's config.yaml, or {ask}")
     if "options" in saved and "options" in TaskConfig.reads(now.get("name"), now.get("factory")):
