@@ -1676,6 +1676,8 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         validate injects no faults: inject ignored
         >>> ignored_settings(validate({"compile": True, "fast": True}), "validate")
         ["validate runs the model eagerly, on the exact step (compile and the fast path are train's): compile, fast ignored"]
+        >>> ignored_settings(validate({"compile": False, "fast": False}), "validate")  # (what validate does)
+        []
         >>> fp32 = validate({"precision": "fp32", "scaler": {"min_scale": 2, "init_scale": 4}})
         >>> ignored_settings(fp32, only=["scaler.init_scale"])  # (a resume's --set gave this one)
         ['precision fp32 uses no loss scaler: scaler.init_scale ignored']
@@ -1690,11 +1692,13 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         return [f"{why}: {', '.join(keys)} ignored"] if keys else []
 
     if verb == "validate":
+        # (review 53k: unsaid; validate judges the model as it computes eagerly, AMP against FP32; review
+        # 53m: fast: false, a run's ask for exact steps, is what validate does: nothing ignored)
+        speed = [key for key, on in (("compile", config.compile), ("fast", config.fast)) if on and key in given]
         return (under("log.name", "validate names its report folder itself (log.dir/validate-<time>, or --out)")
                 + under("inject", "validate injects no faults")
-                # (review 53k: unsaid; validate judges the model as it computes eagerly, AMP against FP32)
-                + under(("compile", "fast"), "validate runs the model eagerly, on the exact step (compile and "
-                                             "the fast path are train's)"))
+                + ([f"validate runs the model eagerly, on the exact step (compile and the fast path are train's): "
+                    f"{', '.join(speed)} ignored"] if speed else []))
     lines = []
     if not config.scaler_on:
         why = "scaler.enabled is false" if config.scaler.enabled is False else \
