@@ -1192,6 +1192,8 @@ class RunMonitor:
             self._follow_opening(record, ran_with)
         rate, over = self._judged()
         self._push_rate(rate)
+        if self.restarted_by_skip_guard and not (self.fail_rate is not None and rate > self.fail_rate):
+            self.restarted_by_skip_guard = False  # (the skip guard's trouble cleared: a step at or below fail_rate)
         if self.opening <= opening:  # (a step of the opening search is set aside: judged 0, not at the end)
             self.min_judged_rate = min(self.min_judged_rate, rate)
         self.max_skip_rate = max(self.max_skip_rate, rate)
@@ -1370,12 +1372,20 @@ class RunMonitor:
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         since = sum(steps for _, steps in self._runs)  # (the steps since the window restarted: the rollback's)
+        if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard and since == 0:
+            # review 53m: a rollback at the run's last step inside the skip guard's trouble (its own, or a
+            # spike's after it): nothing since tells it helped; the run ended "finished", exit 0
+            self.failed = Event(step, "fail", (
+                f"the run ended right after a rollback at its last step, {self.steps}, the skip-rate guard's "
+                f"trouble not cleared (no step at or below fail_rate {self.fail_rate:g} since it tripped)"),
+                {"skip_rate": self.skip_rate, "window": self.window}, cause=FAIL_SKIP_RATE)
+            events.append(self.failed)
         if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard \
                 and 0 < since < self.fail_after and self._steps_above(self.fail_rate) == since:
             # review 53l: the skip guard's rollback restarts the count it tripped on; a run that ended
             # before the count reached fail_after again, every step since the rollback above fail_rate,
             # ended "finished", exit 0 (the same data without the rollback: exit 3). A spike's rollback
-            # is no failure taken back: a streak after it is judged as any run's last steps are
+            # alone is no failure taken back: a streak after it is judged as any run's last steps are
             self.failed = Event(step, "fail", (
                 f"skip rate above fail_rate {self.fail_rate:g} at every one of the {counted(since, 'step')} since "
                 f"the rollback at step {self.steps - since} (the run ended before fail_after {self.fail_after} "
@@ -1433,7 +1443,9 @@ class RunMonitor:
             if "eval_last" in saved:
                 self.eval_last = dict(saved["eval_last"])
         self.restart_windows()
-        self.restarted_by_skip_guard = skip_guard
+        # (review 53m: a spike's rollback inside the skip guard's trouble, no step of it at or below
+        # fail_rate yet, does not clear it: the run that applied nothing since ended exit 0)
+        self.restarted_by_skip_guard = skip_guard or self.restarted_by_skip_guard
         return undone
 
     def begin_at(self, step: int) -> None:

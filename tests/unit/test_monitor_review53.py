@@ -61,3 +61,34 @@ def test_fail_lines_count_one_step_as_one():
     m.observe(_skip(1))
     assert m.failed.cause == FAIL_SCALE_COLLAPSE
     assert "with every step skipped for 1 consecutive step" in m.failed.message, m.failed.message
+
+
+def test_a_skip_guard_rollback_at_the_last_step_fails_the_end():
+    # review 53m: the guard tripped at the run's last step and rolled back: exit 0, "finished"
+    m = _run([_skip] * 3, rollback_after=3, steps=3)
+    assert m.failed is not None and m.failed.cause == FAIL_SKIP_RATE
+    assert m.failed.message.startswith("the run ended right after a rollback at its last step, 3, the skip-rate "
+                                       "guard's trouble not cleared")
+    assert _run([_skip] * 3, rollback_after=3, steps=3, skip_guard=False).failed is None  # (a spike's alone)
+
+
+def _run_rollbacks(records, rollbacks: dict[int, bool], steps: int) -> RunMonitor:
+    m = RunMonitor(window=10, fail_rate=0.5, fail_after=3, scaler_enabled=False)
+    for step, record in enumerate(records, 1):
+        m.observe(record(step))
+        if step in rollbacks:
+            m.failed = None
+            m.rolled_back(0, None, skip_guard=rollbacks[step])
+    m.at_end(steps)
+    return m
+
+
+def test_a_spikes_rollback_inside_the_skip_guards_trouble_does_not_clear_it():
+    # review 53m: skip guard at 3, two skips, a spike rolled back at 6 (the rate still above fail_rate), a
+    # skip: nothing applied since step 3, and the spike's rollback had cleared the flag: exit 0
+    m = _run_rollbacks([_skip] * 5 + [_applied, _skip], {3: True, 6: False}, steps=7)
+    assert m.failed is not None and "since the rollback at step 6" in m.failed.message, m.failed
+    # once a step since the skip guard's rollback judged at or below fail_rate, its trouble is over: a
+    # spike's rollback later and a short streak after it end as any run's last steps do
+    m = _run_rollbacks([_skip] * 3 + [_applied] * 4 + [_skip] * 2, {3: True, 7: False}, steps=9)
+    assert m.failed is None
