@@ -1045,6 +1045,8 @@ class Precision:
             ...
             ValueError: bf16 does not use a loss scaler (scaler.enabled must be false)
         """
+        if enabled is not None and not isinstance(enabled, bool):  # (review 53n: "false", a text, ran a scaler)
+            raise ValueError(f"scaler enabled must be True, False or None, got {enabled!r}")
         if enabled and not self.uses_scaler:
             raise ValueError(f"{self.name} does not use a loss scaler (scaler.enabled must be false)")
         on = self.uses_scaler if enabled is None else enabled

@@ -1879,7 +1879,11 @@ class Guard:
         for name, monitor in self.monitors.items():  # (a state a monitor refuses: refused before anything is
             if name in monitors and hasattr(monitor, "check_state"):  # restored, review 47e; one with no
                 monitor.check_state(monitors[name], f"Guard.load_state_dict(): monitors.{name}.")  # check: its load)
-        if state["scaler"]:
+        if state["scaler"] and not self.scaler.is_enabled():  # (review 53n: GradScaler's load drops it, unsaid)
+            warnings.warn(f"Guard.load_state_dict(): the state's loss scale {state['scaler'].get('scale', '?')} is "
+                          "not taken: this guard's loss scaler is off (scaler enabled: False); the run goes on "
+                          "unscaled", AmpguardWarning, stacklevel=user_stacklevel())
+        elif state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state["step"])
         self.updates = int(state["updates"])

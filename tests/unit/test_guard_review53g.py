@@ -146,3 +146,27 @@ def test_a_half_weights_refusal_names_the_cast_of_the_dtype_found(dtype, cast):
     # review 53g: a float16 weight under bf16 was told "(no .half() / .to(torch.bfloat16))"
     with pytest.raises(ValueError, match=rf"^parameter 'weight' is {str(dtype)[6:]}, .*{cast}"):
         Precision("bf16", "cpu").check(nn.Linear(2, 2).to(dtype), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("enabled", ["false", 0, 1])
+def test_a_scaler_enabled_that_is_no_bool_is_refused(enabled):
+    # review 53n: "false" (a text from a YAML or JSON of one's own) left fp16's scaler running at 65536,
+    # unsaid; 0 turned it off, and GuardedTrainer told its callback a scaler ran
+    model = nn.Linear(3, 1)
+    with pytest.raises(ValueError, match=r"^scaler enabled must be True, False or None, got "):
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler={"enabled": enabled})
+    with pytest.raises(ValueError, match=r"^scaler enabled must be True, False or None, got "):
+        check_scaler_settings("fp16", {"enabled": enabled})
+
+
+def test_a_loss_scale_a_guard_with_its_scaler_off_cannot_take_is_said():
+    # review 53n: an fp16 state loaded into a guard whose scaler is off dropped its scale (32768), unsaid
+    def make(**scaler):
+        model = nn.Linear(3, 1)
+        return Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", scaler=scaler or None)
+    saved = make().state_dict()
+    off = make(enabled=False)
+    with pytest.warns(AmpguardWarning, match=r"the state's loss scale 65536\.0 is not taken: this guard's loss "
+                                             r"scaler is off"):
+        off.load_state_dict(saved)
+    assert not off.scaler.is_enabled()
