@@ -1378,7 +1378,7 @@ class RunMonitor:
             self.failed = Event(step, "fail", (
                 f"the run ended right after a rollback at its last step, {self.steps}, the skip-rate guard's "
                 f"trouble not cleared (no step at or below fail_rate {self.fail_rate:g} since it tripped)"),
-                {"skip_rate": self.skip_rate, "window": self.window}, cause=FAIL_SKIP_RATE)
+                data, cause=FAIL_SKIP_RATE)  # (the run's rate: the window the rollback emptied holds none; review 53o)
             events.append(self.failed)
         if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard \
                 and 0 < since < self.fail_after and self._steps_above(self.fail_rate) == since:
