@@ -26,7 +26,7 @@ from pydantic.fields import FieldInfo
 from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, failed_because, first_line, has_control, shortened
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
-from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, uses_loss_scaler
+from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, loss_scaler_runs, uses_loss_scaler
 
 try:
     import tomllib
@@ -1265,8 +1265,7 @@ class Config(_Section):
             >>> validate({"precision": "fp16", "scaler": {"enabled": False}}).scaler_on
             False
         """
-        enabled = self.scaler.enabled
-        return uses_loss_scaler(self.precision) if enabled is None else bool(enabled)
+        return loss_scaler_runs(self.precision, self.scaler.enabled)
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Config:

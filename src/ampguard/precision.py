@@ -44,6 +44,20 @@ def uses_loss_scaler(name: object) -> bool:
     return name == "fp16"
 
 
+def loss_scaler_runs(name: object, enabled: bool | None) -> bool:
+    """Whether a loss scaler runs under precision ``name`` with the setting ``enabled``: the
+    setting where given (``True`` only where one is used: refused elsewhere), else
+    :func:`uses_loss_scaler`. The one rule :attr:`Config.scaler_on <ampguard.config.Config.scaler_on>`,
+    :meth:`Precision.make_scaler` and the integrations' scaler defaults read.
+
+    Example::
+
+        >>> loss_scaler_runs("fp16", None), loss_scaler_runs("fp16", False), loss_scaler_runs("bf16", None)
+        (True, False, False)
+    """
+    return uses_loss_scaler(name) if enabled is None else bool(enabled)
+
+
 # fp8: torchao's Float8Linear layers matmul in float8; everything else runs under bf16 autocast
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
@@ -1049,7 +1063,7 @@ class Precision:
             raise ValueError(f"scaler enabled must be True, False or None, got {enabled!r}")
         if enabled and not self.uses_scaler:
             raise ValueError(f"{self.name} does not use a loss scaler (scaler.enabled must be false)")
-        on = self.uses_scaler if enabled is None else enabled
+        on = loss_scaler_runs(self.name, enabled)
         # what the config refuses, refused for the library too: a backoff of 0 pinned the scale at
         # the float32 floor after one skip, every later step "applied" with zero gradients
         for name, value, ok, want in (

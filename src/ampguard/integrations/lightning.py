@@ -85,7 +85,7 @@ from .. import distributed
 from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, counted, failed_because, folder_problem,
                       looked_at, shortened, shown, unwritable, what_is, whole_number)
 from ..monitor import RunMonitor
-from ..precision import GuardedGradScaler, Precision, check_scaler_settings
+from ..precision import GuardedGradScaler, Precision, check_scaler_settings, loss_scaler_runs
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..sinks import CSV_COLUMNS, CsvSink, Sink, opened_without_waiting
 from ..step import Guard, check_settings
@@ -231,7 +231,7 @@ class AmpGuardPlugin(_LightningPrecision):
         # ampguard train's and GuardedTrainer's floor: the scale never falls below 1.0 (a floor of
         # 2**-126 took ~140 skips in a row to reach, so scale_alert and fail_on_scale_collapse never came)
         # (a scaler turned off takes no floor: review 53j, "min_scale ignored" said of a setting never given)
-        scaling = self.name == "fp16" and (scaler or {}).get("enabled") is not False
+        scaling = loss_scaler_runs(self.name, (scaler or {}).get("enabled"))
         self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if scaling else dict(scaler or {})
         check_scaler_settings(self.name, self.scaler_settings)
         self.monitor_settings = dict(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,

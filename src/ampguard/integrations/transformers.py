@@ -52,7 +52,7 @@ from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line,
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
-from ..precision import Precision, check_scaler_settings
+from ..precision import Precision, check_scaler_settings, loss_scaler_runs
 from ..records import SkipLog, StepLog, StepRecord
 from ..signals import Interrupted, StopFlag, stop_on_signals
 from ..sinks import CsvSink, Sink, aside_taken_back, newly_lost, set_aside
@@ -1121,7 +1121,7 @@ class GuardedTrainer(Trainer):
         # ampguard train's defaults: the scale never falls below 1.0 (scaler.min_scale)
         check_scaler_settings(precision_of(self.args), scaler or {})  # (an unknown key: here, not at the first step)
         fp16 = precision_of(self.args) == "fp16"
-        scaling = fp16 and (scaler or {}).get("enabled") is not False
+        scaling = loss_scaler_runs(precision_of(self.args), (scaler or {}).get("enabled"))
         # (a scaler turned off takes no floor: review 53j, the guard said "min_scale ignored", a setting
         # the user never gave; and the callback was told of a scaler that does not run)
         self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if scaling else {"enabled": False} if fp16 else {}
