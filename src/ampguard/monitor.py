@@ -1372,24 +1372,23 @@ class RunMonitor:
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         since = sum(steps for _, steps in self._runs)  # (the steps since the window restarted: the rollback's)
-        if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard and since == 0:
-            # review 53m: a rollback at the run's last step inside the skip guard's trouble (its own, or a
-            # spike's after it): nothing since tells it helped; the run ended "finished", exit 0
-            self.failed = Event(step, "fail", (
-                f"the run ended right after a rollback at its last step, {self.steps}, the skip-rate guard's "
-                f"trouble not cleared (no step at or below fail_rate {self.fail_rate:g} since it tripped)"),
-                data, cause=FAIL_SKIP_RATE)  # (the run's rate: the window the rollback emptied holds none; review 53o)
-            events.append(self.failed)
         if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard \
-                and 0 < since < self.fail_after and self._steps_above(self.fail_rate) == since:
+                and since < self.fail_after and self._steps_above(self.fail_rate) == since:
             # review 53l: the skip guard's rollback restarts the count it tripped on; a run that ended
             # before the count reached fail_after again, every step since the rollback above fail_rate,
-            # ended "finished", exit 0 (the same data without the rollback: exit 3). A spike's rollback
-            # alone is no failure taken back: a streak after it is judged as any run's last steps are
-            self.failed = Event(step, "fail", (
-                f"skip rate above fail_rate {self.fail_rate:g} at every one of the {counted(since, 'step')} since "
-                f"the rollback at step {self.steps - since} (the run ended before fail_after {self.fail_after} "
-                "consecutive steps)"), {"skip_rate": self.skip_rate, "window": self.window}, cause=FAIL_SKIP_RATE)
+            # ended "finished", exit 0 (the same data without the rollback: exit 3); review 53m: none
+            # since, a rollback at the run's last step (its own, or a spike's inside its trouble). A
+            # spike's rollback alone is no failure taken back: a streak after it is judged as any run's
+            # last steps are
+            if since:
+                why = (f"skip rate above fail_rate {self.fail_rate:g} at every one of the {counted(since, 'step')} "
+                       f"since the rollback at step {self.steps - since} (the run ended before fail_after "
+                       f"{self.fail_after} consecutive steps)")
+                data = {"skip_rate": self.skip_rate, "window": self.window}
+            else:  # (data: the run's rate; the window the rollback emptied holds none, review 53o)
+                why = (f"the run ended right after a rollback at its last step, {self.steps}, the skip-rate guard's "
+                       f"trouble not cleared (no step at or below fail_rate {self.fail_rate:g} since it tripped)")
+            self.failed = Event(step, "fail", why, data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         return events
 

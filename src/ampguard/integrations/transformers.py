@@ -1119,9 +1119,9 @@ class GuardedTrainer(Trainer):
         _refuse_unguardable(self)
         self.ampguard = ampguard
         # ampguard train's defaults: the scale never falls below 1.0 (scaler.min_scale)
-        check_scaler_settings(precision_of(self.args), scaler or {})  # (an unknown key: here, not at the first step)
-        fp16 = precision_of(self.args) == "fp16"
-        scaling = loss_scaler_runs(precision_of(self.args), (scaler or {}).get("enabled"))
+        precision = precision_of(self.args)
+        check_scaler_settings(precision, scaler or {})  # (an unknown key: here, not at the first step)
+        fp16, scaling = precision == "fp16", loss_scaler_runs(precision, (scaler or {}).get("enabled"))
         # (a scaler turned off takes no floor: review 53j, the guard said "min_scale ignored", a setting
         # the user never gave; and the callback was told of a scaler that does not run)
         self.scaler_settings = {"min_scale": 1.0, **(scaler or {})} if scaling else {"enabled": False} if fp16 else {}
