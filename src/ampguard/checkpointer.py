@@ -1593,6 +1593,18 @@ def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path
                           "run's config.yaml)", AmpguardWarning, stacklevel=2)
 
 
+def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Config, map_location: Any,
+                         data_id: Any = None) -> dict[str, Any]:
+    """A checkpoint's weights into ``model`` for validate and locate (:func:`ampguard.checkpoint.load_weights`,
+    which refuses weights that do not fit, naming the task settings behind a misfit), then its
+    ``task`` settings against ``config``'s (:func:`check_task_settings`: weights that fit a model
+    of other settings, review 53b). Returns the checkpoint's payload."""
+    settings = plain_data(config)["task"]
+    payload = ckpt.load_weights(model, path, map_location=map_location, task=settings, data_id=data_id)
+    check_task_settings(payload, settings, path)
+    return payload
+
+
 def _value(value: Any) -> str:
     """A config value in a one-line message: text as it is (:func:`ampguard.errors.shown`: its repr
     when a control character would split the line), anything else as its repr, shortened."""

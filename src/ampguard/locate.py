@@ -1580,9 +1580,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     import itertools
 
     from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
-    from .checkpoint import load_weights
-    from .checkpointer import check_task_settings
-    from .config import plain_data
+    from .checkpointer import load_trained_weights
     from .faults import FaultInjector, check_nan_input, check_steps, parse_fault
     from .tasks import build_task
 
@@ -1605,9 +1603,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         raise InputError(f"precision: {err}") from None
     checkpoint_scale = saved_step = None
     if checkpoint:
-        settings = plain_data(config)["task"]
-        saved = load_weights(model, checkpoint, map_location=device, task=settings, data_id=task.data_id)
-        check_task_settings(saved, settings, checkpoint)  # (weights that fit another model's: review 53b)
+        saved = load_trained_weights(model, checkpoint, config, map_location=device, data_id=task.data_id)
         checkpoint_scale = _checkpoint_scale(checkpoint, saved["state"].get("scaler"), config, precision)
         saved_step = saved.get("step") if isinstance(saved.get("step"), int) else None
     injector = FaultInjector(faults, config.accumulation_steps)

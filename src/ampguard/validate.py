@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
-from .config import Config, flat_keys, plain_data
+from .config import Config, flat_keys
 from .errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, table_cell, user_code
 from .files import DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
@@ -2087,8 +2087,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
     """What :func:`run` does in its reserved ``folder``: check, load, compare, write the report.
     Returns the verdict, what it is about (:func:`verdict_key`, for the history) and the report's
     two files."""
-    from .checkpoint import load_weights
-    from .checkpointer import check_task_settings
+    from .checkpointer import load_trained_weights
     from .tasks import build_task
 
     cfg = config.validation
@@ -2099,9 +2098,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
     weights = "freshly initialised (no checkpoint given)"
     checkpoint = cfg.checkpoint
     if checkpoint:
-        settings = plain_data(config)["task"]
-        payload = load_weights(model, checkpoint, map_location=device, task=settings, data_id=task.data_id)
-        check_task_settings(payload, settings, checkpoint)  # (weights that fit another model's: review 53b)
+        payload = load_trained_weights(model, checkpoint, config, map_location=device, data_id=task.data_id)
         weights = f"from {checkpoint} (step {payload['step']})"
         try:
             provenance = {"path": str(Path(checkpoint).resolve()), "sha256": file_sha256(checkpoint)}
