@@ -814,10 +814,31 @@ def peer_stopped() -> int | None:
     return code if code in (int(ExitCode.INTERRUPTED), int(ExitCode.TERMINATED)) else None
 
 
-def _refused_key() -> str:
-    """The store key of a start-up refusal's line: this run's (a process that runs several in one
-    group, a test's batch or a sweep, read an earlier run's refusal as its own)."""
-    return f"{_stop_key()}/refused/{_starts[0]}"
+def _line_key(kind: str) -> str:
+    """The store key of a line a rank leaves for its peers (``kind``: ``refused``, ``crashed``):
+    this run's (a process that runs several in one group, a test's batch or a sweep, read an
+    earlier run's refusal as its own)."""
+    return f"{_stop_key()}/{kind}/{_starts[0]}"
+
+
+def _leave_line(kind: str, line: str) -> None:
+    """This rank's ``line`` in the store under ``kind``, the first rank's kept (``compare_set``
+    writes only where none is). Not a collective; nothing without a process group of several."""
+    if current().active:
+        with contextlib.suppress(Exception):  # (the store went with the launcher: no word to leave)
+            dist.distributed_c10d._get_default_store().compare_set(_line_key(kind), "", line)
+
+
+def _line_left(kind: str) -> str | None:
+    """The line a peer left under ``kind`` (:func:`_leave_line`), read without waiting; None when
+    none did, or without a process group."""
+    if not current().active:
+        return None
+    try:
+        store, key = dist.distributed_c10d._get_default_store(), _line_key(kind)
+        return store.get(key).decode("utf-8", errors="replace") if store.check([key]) else None
+    except Exception:  # (the store went with the launcher)
+        return None
 
 
 def tell_refused(line: str) -> None:
@@ -833,26 +854,13 @@ def tell_refused(line: str) -> None:
         >>> tell_refused("task.factory f.py:build raised FileNotFoundError"), peer_refused()
         (None, None)
     """
-    if current().active:
-        with contextlib.suppress(Exception):  # (first come: compare_set writes only where none is)
-            dist.distributed_c10d._get_default_store().compare_set(_refused_key(), "", line)
+    _leave_line("refused", line)
 
 
 def peer_refused() -> str | None:
     """The line a peer's refused start-up left (:func:`tell_refused`), read without waiting; None
     when none did, or without a process group."""
-    if not current().active:
-        return None
-    try:
-        store, key = dist.distributed_c10d._get_default_store(), _refused_key()
-        return store.get(key).decode() if store.check([key]) else None
-    except Exception:  # (the store went with the launcher)
-        return None
-
-
-def _crashed_key() -> str:
-    """The store key of a mid-run crash's line: this run's, as a refusal's (:func:`_refused_key`)."""
-    return f"{_stop_key()}/crashed/{_starts[0]}"
+    return _line_left("refused")
 
 
 def tell_crashed(line: str) -> None:
@@ -869,9 +877,7 @@ def tell_crashed(line: str) -> None:
         >>> tell_crashed("rank 1 raised ValueError: exploded"), peer_crashed()
         (None, None)
     """
-    if current().active:
-        with contextlib.suppress(Exception):  # (first come: compare_set writes only where none is)
-            dist.distributed_c10d._get_default_store().compare_set(_crashed_key(), "", line)
+    _leave_line("crashed", line)
 
 
 def peer_crashed() -> str | None:
@@ -879,13 +885,7 @@ def peer_crashed() -> str | None:
     before its process ended, which is what failed this rank's collective, so it is there by now
     if it ever will be (a peer killed, or out of memory in the kernel's hands, leaves none, and
     waiting for it would only delay the card). None then, or without a process group."""
-    if not current().active:
-        return None
-    try:
-        store, key = dist.distributed_c10d._get_default_store(), _crashed_key()
-        return store.get(key).decode("utf-8", errors="replace") if store.check([key]) else None
-    except Exception:  # (the store went with the launcher)
-        return None
+    return _line_left("crashed")
 
 
 class _Peers:
