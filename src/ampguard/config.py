@@ -19,14 +19,16 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
-    AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator,
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 
 from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, failed_because, first_line, has_control, shortened
 from .faults import parse_fault
 from .monitor import DEFAULT_MIN_STEPS
-from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, loss_scaler_runs, uses_loss_scaler
+from .precision import (DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, loss_scaler_runs, scaler_range_problem,
+                        uses_loss_scaler)
 
 try:
     import tomllib
@@ -553,7 +555,7 @@ class ScalerConfig(_Section):
     """Scale multiplier after ``growth_interval`` clean steps in a row (> 1)."""
     backoff_factor: Float = 0.5
     """Scale multiplier on a skipped step, in (0, 1)."""
-    growth_interval: Count = 2000
+    growth_interval: Annotated[Int, _COUNT_CAP] = 2000
     """Clean steps in a row before the scale grows (>= 1)."""
     min_scale: Positive = 1.0
     """The floor of the loss scale: after every update the scaler clamps its scale to at least
@@ -570,18 +572,12 @@ class ScalerConfig(_Section):
             raise ValueError(f"must be >= 2**-126, the smallest normal float32 (got {v!r})")
         return v
 
-    @field_validator("growth_factor")
+    @field_validator("growth_factor", "backoff_factor", "growth_interval")
     @classmethod
-    def _growth(cls, v: float) -> float:
-        if not (math.isfinite(v) and v > 1.0):
-            raise ValueError(f"must be > 1 (got {v!r})")
-        return v
-
-    @field_validator("backoff_factor")
-    @classmethod
-    def _backoff(cls, v: float) -> float:
-        if not (math.isfinite(v) and 0.0 < v < 1.0):
-            raise ValueError(f"must be in (0, 1) (got {v!r})")
+    def _in_range(cls, v: float, info: ValidationInfo) -> float:
+        # (review 54b: the ranges' one place, which the library's scalers and a checkpoint's state are held to)
+        if problem := scaler_range_problem(info.field_name, v):
+            raise ValueError(f"{problem} (got {v!r})")
         return v
 
 

@@ -16,7 +16,7 @@ import struct
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -193,6 +193,52 @@ _INT64_MAX = 2**63 - 1
 """``growth_interval`` goes to PyTorch's update kernel as an int64."""
 
 
+SCALER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "init_scale": (lambda v: finite_number(v) and v > 0, "a finite number > 0"),
+    "growth_factor": (lambda v: finite_number(v) and v > 1, "a finite number > 1"),
+    "backoff_factor": (lambda v: finite_number(v) and 0 < v < 1, "in (0, 1)"),
+    "min_scale": (lambda v: finite_number(v) and v > 0, "a finite number > 0"),
+    "growth_interval": (lambda v: whole_number(v, 1), "a whole number >= 1"),
+}
+"""The loss scaler's settings' ranges, each ``(holds, what it must be)``: the one place they are
+written. :func:`check_scaler_ranges` applies them to a :class:`GuardedGradScaler` made directly,
+:meth:`Precision.make_scaler` (``Guard(scaler={...})``, the trainer) and a plain ``GradScaler``
+handed over; the config's validators and :meth:`GuardedGradScaler.check_state` (a checkpoint's,
+a ``Guard.load_state_dict``'s) ask :func:`scaler_range_problem`. A backoff of 0 pins the scale at
+the float32 floor after one skip (every later step "applied" with zero gradients), one >= 1 grows
+it on overflows, to inf (every later step skipped); a growth factor <= 1 never grows it or shrinks
+it; an interval of 0 never grows it."""
+
+
+def scaler_range_problem(name: str, value: Any) -> str | None:
+    """What the scaler setting ``name`` must be (``"must be ..."``), or None when ``value`` is in
+    its range (:data:`SCALER_RANGES`).
+
+    Example::
+
+        >>> scaler_range_problem("backoff_factor", 2.0), scaler_range_problem("growth_interval", 10)
+        ('must be in (0, 1)', None)
+    """
+    holds, want = SCALER_RANGES[name]
+    return None if holds(value) else f"must be {want}"
+
+
+def check_scaler_ranges(**settings: Any) -> None:
+    """Raise ``ValueError`` (``scaler NAME must be ..., got VALUE``) for the first of ``settings``
+    out of its range (:data:`SCALER_RANGES`), in their order there.
+
+    Example::
+
+        >>> check_scaler_ranges(growth_factor=2.0, backoff_factor=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: scaler backoff_factor must be in (0, 1), got 0.0
+    """
+    for name in SCALER_RANGES:
+        if name in settings and (problem := scaler_range_problem(name, settings[name])):
+            raise ValueError(f"scaler {name} {problem}, got {settings[name]!r}")
+
+
 class _HandedOver:
     """What a plain ``GradScaler`` handed to the guard (:meth:`GuardedGradScaler.from_scaler`) does
     for the methods a ported loop may keep: ``load_state_dict`` loads the guard's scaler too (a
@@ -306,6 +352,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
         *,
         min_scale: float = DEFAULT_MIN_SCALE,
     ) -> None:
+        if enabled:  # (review 54b: made directly, a backoff of 0 or an interval of 0 was taken; off, none is used)
+            check_scaler_ranges(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                                min_scale=min_scale, growth_interval=growth_interval)
         min_scale = _check_min_scale(min_scale)
         if enabled and not init_scale >= min_scale:
             raise ValueError(f"init_scale ({init_scale:g}) must be >= min_scale ({min_scale:g})")
@@ -425,7 +474,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
     def check_state(self, state: Any, where: str = "") -> None:
         """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
         one :meth:`load_state_dict` can take: a scale in ``[0, MAX_SCALE]`` (a collapsed 0 is
-        raised to the floor), factors finite numbers > 0, an interval an int >= 1 (an int64 for
+        raised to the floor), factors and interval in the config's ranges (:data:`SCALER_RANGES`:
+        a growth factor > 1, a backoff in (0, 1)), the interval an int >= 1 (an int64 for
         PyTorch's update kernel), a count of clean steps in ``[0, growth_interval)`` (PyTorch
         grows the scale when it reaches the interval and restarts it at 0; an int32 tensor), a
         floor (if saved) a normal float32. A checkpoint's state would otherwise be taken as it is
@@ -437,7 +487,11 @@ class GuardedGradScaler(torch.amp.GradScaler):
             >>> scaler.check_state({**scaler.state_dict(), "growth_factor": "x"}, "state.scaler.")
             Traceback (most recent call last):
             ...
-            ValueError: state.scaler.growth_factor is 'x', expected a finite number > 0
+            ValueError: state.scaler.growth_factor is 'x', expected a finite number > 1
+            >>> scaler.check_state({**scaler.state_dict(), "backoff_factor": 2.0}, "state.scaler.")
+            Traceback (most recent call last):
+            ...
+            ValueError: state.scaler.backoff_factor is 2.0, expected in (0, 1)
         """
 
         def bad(key: str, expected: str) -> ValueError:
@@ -453,11 +507,13 @@ class GuardedGradScaler(torch.amp.GradScaler):
                 raise ValueError(f"{where}{key} is missing")
         if not (finite_number(state["scale"]) and 0 <= state["scale"] <= MAX_SCALE):
             raise bad("scale", f"a number in [0, {MAX_SCALE:g}] (a float32)")
+        # review 54b: only "> 0" was asked of the factors: a saved backoff of 2.0 grew the scale on every
+        # overflow, to inf (every later step skipped); the config's ranges now, from their one place
         for key in ("growth_factor", "backoff_factor"):
-            if not (finite_number(state[key]) and state[key] > 0):
-                raise bad(key, "a finite number > 0")
+            if problem := scaler_range_problem(key, state[key]):
+                raise bad(key, problem.removeprefix("must be "))
         interval, tracker = state["growth_interval"], state["_growth_tracker"]
-        if not (isinstance(interval, int) and not isinstance(interval, bool) and 1 <= interval <= _INT64_MAX):
+        if scaler_range_problem("growth_interval", interval) or interval > _INT64_MAX:
             raise bad("growth_interval", "an int >= 1")
         if not (isinstance(tracker, int) and not isinstance(tracker, bool) and 0 <= tracker < interval
                 and tracker <= _INT32_MAX):
@@ -471,7 +527,7 @@ class GuardedGradScaler(torch.amp.GradScaler):
         and a state without one (a plain GradScaler's, or saved before floors existed) keeps
         this scaler's. A saved scale below the floor (a scale that had decayed to 0) is raised
         to it, so a resumed run recovers at once. Every field is checked first (a finite
-        number, a factor > 0, a growth tracker in ``[0, growth_interval)``: :meth:`check_state`):
+        number, a factor in its range, a growth tracker in ``[0, growth_interval)``: :meth:`check_state`):
         ``ValueError`` naming the field, this scaler untouched.
 
         Example::
@@ -1064,17 +1120,10 @@ class Precision:
         if enabled and not self.uses_scaler:
             raise ValueError(f"{self.name} does not use a loss scaler (scaler.enabled must be false)")
         on = loss_scaler_runs(self.name, enabled)
-        # what the config refuses, refused for the library too: a backoff of 0 pinned the scale at
-        # the float32 floor after one skip, every later step "applied" with zero gradients
-        for name, value, ok, want in (
-                ("init_scale", init_scale, lambda v: v > 0, "a finite number > 0"),
-                ("growth_factor", growth_factor, lambda v: v > 1, "a finite number > 1"),
-                ("backoff_factor", backoff_factor, lambda v: 0 < v < 1, "in (0, 1)"),
-                ("min_scale", min_scale, lambda v: v > 0, "a finite number > 0")):
-            if not (finite_number(value) and ok(value)):
-                raise ValueError(f"scaler {name} must be {want}, got {value!r}")
-        if not whole_number(growth_interval, 1):
-            raise ValueError(f"scaler growth_interval must be a whole number >= 1, got {growth_interval!r}")
+        # what the config refuses, refused for the library too, on or off (a loop that switches precision
+        # keeps one set of settings): a backoff of 0 pinned the scale at the float32 floor after one skip
+        check_scaler_ranges(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                            min_scale=min_scale, growth_interval=growth_interval)
         return GuardedGradScaler(
             self.device_type,
             init_scale=init_scale,

@@ -365,7 +365,7 @@ DELETE = object()  # (a NESTED case's value: the field taken out)
 # config.yaml, events.jsonl and steps.csv had been changed (or, for the RNG, in the restore).
 NESTED = {
     "scaler growth_factor": (["state", "scaler", "growth_factor"], "x",
-                             "bad checkpoint: state.scaler.growth_factor is 'x', expected a finite number > 0"),
+                             "bad checkpoint: state.scaler.growth_factor is 'x', expected a finite number > 1"),
     "scaler tracker": (["state", "scaler", "_growth_tracker"], "x",
                        "bad checkpoint: state.scaler._growth_tracker is 'x', expected an int in [0, growth_interval"),
     "monitor counter": (["state", "monitors", "run", "updates"], "x",

@@ -370,7 +370,7 @@ def step_payload(path: str, value: Any) -> dict[str, Any]:
 
 
 BAD_STEP_STATE = [  # each loaded as it was, then failed in the training loop (traceback, exit 1)
-    ("scaler.growth_factor", "x", "state.scaler.growth_factor is 'x', expected a finite number > 0"),
+    ("scaler.growth_factor", "x", "state.scaler.growth_factor is 'x', expected a finite number > 1"),
     ("scaler._growth_tracker", "x",
      "state.scaler._growth_tracker is 'x', expected an int in [0, growth_interval 2000)"),
     ("scaler.scale", float("nan"), "state.scaler.scale is nan, expected a number in [0, 3.40282e+38] (a float32)"),

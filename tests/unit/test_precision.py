@@ -243,9 +243,9 @@ def saved_scaler() -> dict:
 # A checkpoint's scaler state is taken as it is by PyTorch: each of these used to load, then fail at
 # the first update() mid-run (a str factor, a tracker past the interval or int32) or go quietly wrong.
 BAD_SCALER = [
-    ("growth_factor", "x", "growth_factor is 'x', expected a finite number > 0"),
-    ("growth_factor", 0.0, "growth_factor is 0.0, expected a finite number > 0"),
-    ("backoff_factor", float("nan"), "backoff_factor is nan, expected a finite number > 0"),
+    ("growth_factor", "x", "growth_factor is 'x', expected a finite number > 1"),
+    ("growth_factor", 0.0, "growth_factor is 0.0, expected a finite number > 1"),
+    ("backoff_factor", float("nan"), "backoff_factor is nan, expected in (0, 1)"),
     ("backoff_factor", True, "backoff_factor is True"),
     ("scale", float("inf"), "scale is inf, expected a number in [0, "),
     ("scale", -1.0, "scale is -1.0"),
