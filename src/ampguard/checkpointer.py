@@ -52,7 +52,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import (MAX_DEPTH, PRESETS, Config, TaskConfig, as_it_ran, flat_keys, is_plain, plain_data, read_file,
                      yaml_spelled)
-from .errors import AmpguardWarning, InputError, counted, first_line, real_number, shortened, shown, whole_number
+from .errors import AmpguardWarning, InputError, brief, counted, first_line, real_number, shortened, shown, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
@@ -458,7 +458,7 @@ class CheckpointManager:
         if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             _check_scheduler(loaded.path, payload.get(SCHEDULER), scheduler, loaded.step)
         if isinstance(payload.get(STATE), Mapping):
-            _check_step_state(loaded.path, payload[STATE], self.parts.get(STATE))
+            _check_step_state(loaded.path, payload[STATE], self.parts.get(STATE), payload.get(CONFIG))
 
     def restore(self, loaded: Loaded, parts: Iterable[str] | None = None) -> None:
         """Load ``parts`` (default: all registered) from ``loaded``; one :class:`InputError` line
@@ -1250,12 +1250,13 @@ def _same_kind(saved: Any, live: Any, depth: int = 0) -> bool:
     return type(saved) is type(live)
 
 
-def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any) -> None:
+def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any, config: Any = None) -> None:
     """The guarded step's saved loss scaler and monitors, checked by the parts that will load
     them (their ``check_state``: a str factor, a window's position past its size, ...), so that
     the line names the whole field (``state.monitors.run.skip_window.pos``). Loaded as they are,
     such fields fail only at the first step, mid-run. A part without ``check_state``, or a
-    monitor this run does not have, is not looked at (the step loads only those it has).
+    monitor this run does not have, is not looked at (the step loads only those it has). The
+    scaler's settings are held to the checkpoint's own ``config`` too (:func:`check_scaler_state`).
 
     Example::
 
@@ -1272,7 +1273,8 @@ def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any) -> None:
         step-00000002.pt: bad checkpoint: state.scaler.scale is -1.0, expected a number in [0, 3.40282e+38] (a float32)
     """
     scaler, monitors = getattr(state, "scaler", None), getattr(state, "monitors", None)
-    check_scaler_state(path, saved.get("scaler"), scaler)
+    settings = config.get("scaler") if isinstance(config, Mapping) else None
+    check_scaler_state(path, saved.get("scaler"), scaler, settings)
     try:
         saved_monitors = saved.get("monitors")
         if isinstance(saved_monitors, Mapping) and isinstance(monitors, Mapping):
@@ -1288,11 +1290,20 @@ def _check_step_state(path: Path, saved: Mapping[str, Any], state: Any) -> None:
         raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
 
 
-def check_scaler_state(path: Path | str, saved: Any, scaler: Any) -> None:
+def check_scaler_state(path: Path | str, saved: Any, scaler: Any, settings: Any = None) -> None:
     """A checkpoint's ``state.scaler``, checked by the loss scaler that will load it (its
-    ``check_state``: one :class:`InputError` line naming the field). A scaler that is on needs
-    one: an fp16 run's checkpoint always holds it, and without it the run would go on at
-    ``init_scale``, the scale it had found lost. Nothing to check for a scaler that is off.
+    ``check_state``: one :class:`InputError` line naming the field; the factors in the config's
+    ranges). A scaler that is on needs one: an fp16 run's checkpoint always holds it, and without
+    it the run would go on at ``init_scale``, the scale it had found lost. Nothing to check for a
+    scaler that is off.
+
+    ``settings``, the checkpoint's own config's ``scaler`` section (a resume's), if given: the
+    saved factors, interval and floor must be its. A run's scaler holds its config's settings, and
+    a resume that changes one sets it in the scaler (:func:`apply_policy_changes`), so every
+    checkpoint a run writes agrees; one that does not was edited (review 54b: a floor of 3e38,
+    above the config's ``init_scale``, skipped every step, exit 0), and resumed it would train on
+    with a setting its config, its card and a later resume's comparison do not say. A setting the
+    config lacks (an older ampguard's) is not compared.
 
     Example::
 
@@ -1300,11 +1311,13 @@ def check_scaler_state(path: Path | str, saved: Any, scaler: Any) -> None:
         >>> fp16 = Precision("fp16", "cpu").make_scaler()
         >>> check_scaler_state("c.pt", fp16.state_dict(), fp16)
         >>> check_scaler_state("c.pt", {}, Precision("bf16", "cpu").make_scaler())
-        >>> try:
-        ...     check_scaler_state("c.pt", {}, fp16)
-        ... except InputError as err:
-        ...     print(err)
+        >>> for saved, settings in (({}, None), ({**fp16.state_dict(), "backoff_factor": 0.25}, {"backoff_factor": 0.5})):
+        ...     try:
+        ...         check_scaler_state("c.pt", saved, fp16, settings)
+        ...     except InputError as err:
+        ...         print(err)
         c.pt: bad checkpoint: state.scaler is empty: a loss scaler that is on needs its saved scale
+        c.pt: bad checkpoint: state.scaler.backoff_factor is 0.25, not its config's scaler.backoff_factor 0.5 (a run saves its scaler with its config's settings)
     """
     if not (hasattr(scaler, "check_state") and scaler.is_enabled()):
         return
@@ -1312,6 +1325,12 @@ def check_scaler_state(path: Path | str, saved: Any, scaler: Any) -> None:
         scaler.check_state(saved, f"{STATE}.scaler.")
     except ValueError as err:
         raise InputError(f"{path}: bad checkpoint: {first_line(err)}") from None
+    if not isinstance(settings, Mapping):
+        return
+    for key in ("growth_factor", "backoff_factor", "growth_interval", "min_scale"):
+        if key in saved and key in settings and saved[key] != settings[key]:
+            raise InputError(f"{path}: bad checkpoint: {STATE}.scaler.{key} is {brief(saved[key])}, not its config's "
+                             f"scaler.{key} {brief(settings[key])} (a run saves its scaler with its config's settings)")
 
 
 SCHEDULER_COUNTS = ("last_epoch", "_step_count")

@@ -366,6 +366,23 @@ DELETE = object()  # (a NESTED case's value: the field taken out)
 NESTED = {
     "scaler growth_factor": (["state", "scaler", "growth_factor"], "x",
                              "bad checkpoint: state.scaler.growth_factor is 'x', expected a finite number > 1"),
+    # review 54b: each of these was taken, exit 0: a backoff of 2.0 grew the scale on every overflow, to inf
+    # (every later step skipped); a growth factor of 0.5 shrank it on its growth steps; a floor of 3e38 (above
+    # the config's init_scale, which the config refuses) skipped every step; one the config does not say trained
+    # on with the checkpoint's value, though the run card said the config's
+    "scaler backoff 2": (["state", "scaler", "backoff_factor"], 2.0,
+                         "bad checkpoint: state.scaler.backoff_factor is 2.0, expected in (0, 1)"),
+    "scaler growth 0.5": (["state", "scaler", "growth_factor"], 0.5,
+                          "bad checkpoint: state.scaler.growth_factor is 0.5, expected a finite number > 1"),
+    "scaler floor not the config's": (["state", "scaler", "min_scale"], 3e38,
+                                      "bad checkpoint: state.scaler.min_scale is 3e+38, not its config's "
+                                      "scaler.min_scale 1.0"),
+    "scaler backoff not the config's": (["state", "scaler", "backoff_factor"], 0.25,
+                                        "bad checkpoint: state.scaler.backoff_factor is 0.25, not its config's "
+                                        "scaler.backoff_factor 0.5"),
+    "scaler interval not the config's": (["state", "scaler", "growth_interval"], 3000,
+                                         "bad checkpoint: state.scaler.growth_interval is 3000, not its config's "
+                                         "scaler.growth_interval 2000"),
     "scaler tracker": (["state", "scaler", "_growth_tracker"], "x",
                        "bad checkpoint: state.scaler._growth_tracker is 'x', expected an int in [0, growth_interval"),
     "monitor counter": (["state", "monitors", "run", "updates"], "x",

@@ -83,6 +83,19 @@ def test_a_resume_applies_and_records_each_changed_setting(fp16_run, tmp_path):
     assert "optimizer.lr 0.003 -> 0.001 from step 6" in row and "max_norm 1.0 -> 0.5 from step 6" in row
 
 
+def test_a_resume_that_changes_the_scaler_settings_saves_them_in_the_scaler_and_its_config_alike(fp16_run, tmp_path):
+    # review 54b: a resume refuses a checkpoint whose scaler state disagrees with its own config's scaler
+    # settings; a changed setting is set in the scaler (apply_policy_changes), so a real run's agree
+    run = _copy(fp16_run, tmp_path)
+    ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "scaler.backoff_factor=0.25",
+          "--set", "scaler.growth_factor=4", "--set", "scaler.min_scale=2", "--set", "scaler.growth_interval=7"))
+    final = ckpt.load_checkpoint(run / "checkpoints" / "step-00000010.pt")
+    saved, config = final["state"]["scaler"], final["config"]["scaler"]
+    assert [saved[k] for k in ("backoff_factor", "growth_factor", "min_scale", "growth_interval")] == [0.25, 4.0, 2.0, 7]
+    assert all(saved[k] == config[k] for k in ("backoff_factor", "growth_factor", "min_scale", "growth_interval"))
+    ok(ag("train", "--resume", run, "--set", "steps=12"))
+
+
 def test_a_second_resume_keeps_the_first_ones_changes_on_the_card(fp16_run, tmp_path):
     run = _copy(fp16_run, tmp_path)
     ok(ag("train", "--resume", run / "checkpoints" / "step-00000005.pt", "--set", "optimizer.lr=0.001"))

@@ -23,7 +23,7 @@ from ampguard.checkpointer import (
     CONFIG, DATA, MODEL, OPTIMIZER, PRECISION, RNG, ROLLBACKS, RUN_ID, SCHEDULER, STATE, STATE_KEYS, STEP,
     TORCH_VERSION, UPDATES, WORLD_SIZE, CheckpointManager, Loaded, ModelState, OptimizerState, Resume, RngState,
 )
-from ampguard.config import validate
+from ampguard.config import ScalerConfig, validate
 from ampguard.distributed import DistInfo
 from ampguard.errors import InputError
 from ampguard.monitor import LossSpikeDetector, RunMonitor
@@ -343,7 +343,9 @@ def step_parts() -> dict[str, Any]:
     """``parts()`` under fp16 (the loss scaler on), with the monitors a run registers."""
     made = parts()
     model, optimizer, scheduler = made[MODEL].model, made[OPTIMIZER].optimizer, made[SCHEDULER]
-    state = AmpTrainState(model, optimizer, nn.functional.mse_loss, precision="fp16", scheduler=scheduler)
+    # (the floor the payload's config says, as a run's scaler has it: a resume holds the two equal, review 54b)
+    state = AmpTrainState(model, optimizer, nn.functional.mse_loss, precision="fp16", scheduler=scheduler,
+                          scaler={"min_scale": ScalerConfig().min_scale})
     state.monitors["run"] = RunMonitor(window=8)
     state.monitors["loss_spike"] = LossSpikeDetector(window=3, z=3.0)
     return {**made, STATE: state}
