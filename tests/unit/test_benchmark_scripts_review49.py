@@ -159,6 +159,7 @@ def test_train_vs_bare_refuses_in_a_process_of_its_own(tmp_path, args, says):
     assert _tree(tmp_path) == before
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a folder no file can be made in)")
 def test_train_vs_bare_refuses_a_folder_it_cannot_write_in(tmp_path):
     spec = importlib.util.spec_from_file_location("train_vs_bare", BENCHMARKS / "train_vs_bare.py")
     script = importlib.util.module_from_spec(spec)
@@ -166,16 +167,11 @@ def test_train_vs_bare_refuses_a_folder_it_cannot_write_in(tmp_path):
     # a folder that is missing is fine (made at the end of the run), and is not made by the check
     assert script.out_problem(tmp_path / "a" / "b" / "train-vs-bare-quick.json") is None
     assert list(tmp_path.iterdir()) == []
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        if os.access(locked, os.W_OK):
-            pytest.skip("this user writes in a read-only folder (root)")
-        assert "cannot write in" in script.out_problem(locked / "out" / "train-vs-bare-quick.json")
-        assert not (locked / "out").exists()
-    finally:
-        locked.chmod(0o755)
+    # review 54d: a 0555 folder is one root writes in, so the test skipped as root (as CI runs) and the
+    # check was never run there; /proc is a folder no user, root included, can make a file in
+    said = script.out_problem(Path("/proc/ampguard-out/train-vs-bare-quick.json"))
+    assert said is not None and "cannot write in /proc " in said, said
+    assert not Path("/proc/ampguard-out").exists()
 
 
 def test_headroom_cost_rounds_up_to_whole_cycles_with_an_interval():
