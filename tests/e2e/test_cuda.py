@@ -1,6 +1,7 @@
 """CUDA checks: the same call sites on a GPU, bit-for-bit there too, and one host sync per step.
 
-Skipped without a CUDA device (CI has none); run on a GPU machine with ``pytest tests/test_cuda.py``.
+Skipped without a CUDA device (CI has none); run on a GPU machine with
+``pytest tests/e2e/test_cuda.py`` (or ``bash benchmarks/gpu.sh``, which runs it with the GPU benchmarks).
 """
 
 from __future__ import annotations
