@@ -4,7 +4,8 @@ The global L2 norm is the Euclidean norm of *all* gradients concatenated into on
 norm per parameter: ``sqrt(sum_p ||g_p||^2)``. One bad batch shows up as one huge number, and
 clipping rescales every gradient by the same factor, so the update keeps its direction.
 
-The norm is PyTorch's own ``get_total_norm``; the clip is the other half of ``clip_grad_norm_``,
+The norm is PyTorch's own ``get_total_norm`` (on torch 2.4/2.5, which lack it, a copy of the same
+lines of their ``clip_grad_norm_``: :func:`_total_norm_torch24`); the clip is the other half of ``clip_grad_norm_``,
 ``clip_grads_with_norm_``, done as it does it (the factor ``min(1, max_norm / (norm + 1e-6))``,
 then one foreach multiply per device and dtype) but split in two (:func:`clip_factor`,
 :func:`scale_grads_`) so the factor is computed once and the reported post-clip norm reuses it.
@@ -25,12 +26,40 @@ from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tens
 from . import distributed
 from .precision import round_float32
 
+Params = torch.Tensor | Iterable[torch.Tensor]
+
+
+@torch.no_grad()
+def _total_norm_torch24(tensors: Sequence[torch.Tensor], norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """``get_total_norm`` as torch 2.4 and 2.5 compute it, for those versions: they have none, public
+    or private (it appeared in 2.6), only the same lines inside ``clip_grad_norm_``. Copied from
+    2.4's ``clip_grad_norm_``: per device and dtype, ``_foreach_norm`` where foreach runs (else a
+    ``vector_norm`` each), then the norm of the stacked norms on the first tensor's device; so
+    the guard's norm stays bit-for-bit that torch's recipe (tested against the real one)."""
+    tensors = list(tensors)
+    norm_type = float(norm_type)
+    if not tensors:
+        return torch.tensor(0.0)
+    first_device = tensors[0].device
+    norms: list[torch.Tensor] = []
+    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():  # type: ignore[assignment]
+        if (foreach is None and _has_foreach_support(group, device)) or (foreach and _device_has_foreach_support(device)):
+            norms.extend(torch._foreach_norm(group, norm_type))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            norms.extend(torch.linalg.vector_norm(g, norm_type) for g in group)
+    total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite")
+    return total
+
+
 try:  # torch >= 2.6
     from torch.nn.utils import get_total_norm
-except ImportError:  # pragma: no cover - torch 2.4/2.5 keep them private
-    from torch.nn.utils.clip_grad import _get_total_norm as get_total_norm  # type: ignore[attr-defined,no-redef]
-
-Params = torch.Tensor | Iterable[torch.Tensor]
+except ImportError:  # torch 2.4/2.5 (review 54e: the fallback imported a private _get_total_norm they lack)
+    get_total_norm = _total_norm_torch24
 
 # torch.nn.utils.clip_grads_with_norm_ divides by (total_norm + 1e-6); the post-clip norm we
 # report is derived from the same coefficient, so it is what the clip really did.

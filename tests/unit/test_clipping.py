@@ -331,3 +331,53 @@ def test_the_host_post_clip_norm_refuses_a_dtype_it_cannot_round():
 
     with pytest.raises(ValueError, match="bfloat16"):
         post_clip_value(2.0, 0.5, 1.0, torch.bfloat16)
+
+
+def _mixed_gradients(seed: int) -> list[torch.Tensor]:
+    """Gradients of several dtypes, interleaved (so grouping by dtype reorders them), with the odd
+    shapes a model has: a 0-dim one, an empty one, a non-contiguous one, a large-valued bf16 one."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16,
+                               torch.float64, torch.float32, torch.bfloat16)):
+        shape = [(), (0,), (7, 3), (33,), (5, 4), (3,), (4, 6), (129,)][i]
+        t = (torch.randn(shape, generator=g) * 10.0 ** (i % 4 - 1)).to(dtype)
+        out.append(t.t() if t.dim() == 2 else t)  # (2-d: transposed, so not contiguous)
+    out[-1] = out[-1] * 3e4  # (bf16 keeps float32's range)
+    return out
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,), (torch.float32, torch.bfloat16), None])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_the_torch_2_4_total_norm_is_get_total_norm_bit_for_bit(foreach, dtypes, norm_type):
+    """review 54e: on torch 2.4/2.5 (no ``get_total_norm``, public or private) the guard's norm is
+    a copy of the norm half of 2.4's ``clip_grad_norm_``; called directly here (the installed
+    torch has the real one), it must give the real one's bits: float32 only, bf16 only, both
+    interleaved, and every dtype at once (None), with and without foreach. (CPU is the one device
+    here; the cross-device path is the same ``.to(first_device)`` as torch's.)"""
+    from ampguard.clipping import _total_norm_torch24
+
+    for seed in range(3):
+        grads = [t for t in _mixed_gradients(seed) if (dtypes is None or t.dtype in dtypes)
+                 and (t.numel() or norm_type == 2.0)]  # (torch refuses an inf norm of an empty tensor)
+        mine = _total_norm_torch24(grads, norm_type, foreach=foreach)
+        ref = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+        assert mine.dtype == ref.dtype and mine.device == ref.device
+        assert torch.equal(mine, ref), (seed, mine, ref)
+        params = [nn.Parameter(torch.zeros_like(t)) for t in grads]
+        for p, t in zip(params, grads):
+            p.grad = t.clone()
+        # and clip_grad_norm_'s own return value (what 2.4's code computed inline)
+        assert torch.equal(mine, torch.nn.utils.clip_grad_norm_(params, math.inf, norm_type, foreach=foreach))
+
+
+def test_the_torch_2_4_total_norm_of_nothing_and_of_a_non_finite_gradient():
+    """review 54e: the fallback's edges are torch's: no tensors give 0, a NaN/inf one a NaN/inf norm."""
+    from ampguard.clipping import _total_norm_torch24
+
+    assert torch.equal(_total_norm_torch24([]), torch.nn.utils.get_total_norm([]))
+    for bad in (INF, NAN):
+        grads = [torch.ones(3), torch.tensor([1.0, bad], dtype=torch.bfloat16)]
+        torch.testing.assert_close(_total_norm_torch24(grads), torch.nn.utils.get_total_norm(grads),
+                                   rtol=0, atol=0, equal_nan=True)
