@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import UnionType
@@ -30,10 +31,6 @@ from .monitor import DEFAULT_MIN_STEPS
 from .precision import (DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, loss_scaler_runs, scaler_range_problem,
                         uses_loss_scaler)
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 
 MAX_FILE_BYTES = 1 << 20

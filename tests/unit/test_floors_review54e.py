@@ -1,5 +1,7 @@
-"""review 54e: the package says torch>=2.4, so what torch 2.4/2.5 lack must not be imported
-unguarded. FSDP2's ``fully_shard`` became public in ``torch.distributed.fsdp`` in 2.6; 2.4 and 2.5
+"""review 54e: what the package declares (pyproject.toml's floors) must hold for what the code
+uses.
+
+torch>=2.4: what torch 2.4/2.5 lack must not be imported unguarded. FSDP2's ``fully_shard`` became public in ``torch.distributed.fsdp`` in 2.6; 2.4 and 2.5
 have it only at ``torch.distributed._composable.fsdp``. The installed torch has both (the second
 a re-export of the first): the public name is taken away here for one test once the private
 module has bound it, which is the layout torch 2.4/2.5 ship; the function is the real one. The clip's norm fallback is tested in
@@ -7,7 +9,12 @@ test_clipping.py."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import re
+import tomllib
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +22,17 @@ from torch import nn
 
 from helpers import GLOO
 
+import ampguard
 from ampguard.distributed import is_sharded, wrap
+
+PYPROJECT = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text(encoding="utf-8"))
+SOURCES = sorted(Path(ampguard.__file__).parent.rglob("*.py"))
+
+
+def _floor(spec: str) -> tuple[int, ...]:
+    found = re.search(r">=\s*([\d.]+)", spec)
+    assert found, spec
+    return tuple(int(part) for part in found.group(1).split("."))
 
 
 @pytest.fixture
@@ -44,3 +61,15 @@ def test_fsdp2_wraps_with_fully_shard_where_torch_2_4_keeps_it(group, monkeypatc
     assert is_sharded(model) and all(is_sharded(m) for m in (model[0], model[2]))
     model(torch.randn(8, 3)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_python_floor_has_the_grammar_and_the_exception_notes_the_code_uses():
+    """requires-python said >=3.10, but the error paths call BaseException.add_note (3.11, PEP 678):
+    on 3.10 an error in a guarded backward (an OOM, a KeyboardInterrupt) became an AttributeError."""
+    floor = _floor(PYPROJECT["project"]["requires-python"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        trees = {path: ast.parse(path.read_text(encoding="utf-8"), feature_version=floor[:2]) for path in SOURCES}
+    notes = [f"{path.name}:{node.lineno}" for path, tree in trees.items() for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr == "add_note"]
+    assert not notes or floor >= (3, 11), (floor, notes)
