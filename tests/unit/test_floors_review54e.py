@@ -73,3 +73,19 @@ def test_the_python_floor_has_the_grammar_and_the_exception_notes_the_code_uses(
     notes = [f"{path.name}:{node.lineno}" for path, tree in trees.items() for node in ast.walk(tree)
              if isinstance(node, ast.Attribute) and node.attr == "add_note"]
     assert not notes or floor >= (3, 11), (floor, notes)
+
+
+def test_the_wandb_extra_is_the_floor_the_sink_needs_and_an_older_wandb_is_refused_by_its_version():
+    """The extra said wandb>=0.16, but the sink's own run needs reinit="create_new" (0.19.10) and the
+    public wandb.teardown (0.21): an older wandb failed to start the run with W&B's own Settings
+    errors, which name no version. The extra is WANDB_FLOOR now, and older versions are refused
+    up front, in one line naming both."""
+    from ampguard.integrations import trackers
+
+    extra = PYPROJECT["project"]["optional-dependencies"]["wandb"]
+    assert extra == [f"wandb>={trackers.WANDB_FLOOR}"]
+    assert _floor(extra[0]) >= (0, 21)
+    assert [trackers.wandb_too_old(v) for v in ("0.16.0", "0.19.9", "0.19.10", "0.20.1")] == [True] * 4
+    assert not trackers.wandb_too_old("0.21.0")
+    wandb = pytest.importorskip("wandb")
+    assert not trackers.wandb_too_old(wandb.__version__) and callable(wandb.teardown)

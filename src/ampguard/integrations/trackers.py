@@ -44,6 +44,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 import sys
 import time
 import warnings
@@ -75,6 +76,41 @@ ARTIFACTS: tuple[str, ...] = ("RUN.md", "report.png", "events.jsonl", "steps.csv
                               "steps.attempt-*.csv")
 """What :meth:`TrackerSink.finish` uploads from the run folder, those that exist (glob patterns:
 a Hugging Face retry's ``steps.attempt-N.csv``)."""
+
+
+WANDB_FLOOR = "0.21"
+"""The oldest wandb :class:`WandbSink` runs on, the ``[wandb]`` extra's floor (review 54e: it said
+0.16): the sink makes its own run with ``reinit="create_new"`` (wandb 0.19.10; before it, W&B's
+Settings refuse the value, in words that name no version) and takes W&B down with the public
+``wandb.teardown`` (0.21; before it, only ``wandb._teardown``)."""
+
+
+def wandb_too_old(version: str) -> bool:
+    """Whether wandb ``version`` is older than :data:`WANDB_FLOOR` (a pre-release of a version
+    counts as it).
+
+    Example::
+
+        >>> [wandb_too_old(v) for v in ("0.16.0", "0.19.10", "0.20.1", "0.21.0", "0.21.0rc1", "0.31.0", "1.0")]
+        [True, True, True, False, False, False, False]
+    """
+    def numbers(text: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in re.findall(r"\d+", text.split("+")[0])[:3])
+
+    return numbers(version) < numbers(WANDB_FLOOR)
+
+
+def _require_wandb_floor() -> None:
+    """One :class:`InputError` line for an installed wandb older than :data:`WANDB_FLOOR` (read
+    from its package metadata: wandb is not imported for it)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("wandb")
+    except metadata.PackageNotFoundError:  # (not installed: require says so; metadata-less: let the import tell)
+        return
+    if wandb_too_old(version):
+        raise InputError(f"log.wandb: needs wandb>={WANDB_FLOOR} (this is {version}): pip install 'wandb>={WANDB_FLOOR}'")
 
 
 def _import(package: str, flag: str) -> Any:
@@ -481,6 +517,7 @@ class WandbSink(TrackerSink):
         self._own = run is None
         if run is None:
             wandb = _import("wandb", "log.wandb")
+            _require_wandb_floor()
             if dir is not None:
                 try:
                     Path(dir).mkdir(parents=True, exist_ok=True)
@@ -1157,6 +1194,7 @@ def check_trackers(config: Config) -> None:
     try:
         if config.log.wandb is not None:
             require("wandb", "log.wandb")
+            _require_wandb_floor()
             folder = config.log.wandb.dir
             blocked = None if folder is None else _not_a_folder(folder)
             if blocked is not None:  # (a path through a file was a traceback at the mkdir, a folder left behind)
