@@ -15,6 +15,7 @@ sync: the clip coefficient is clamped on the device instead of being tested with
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -64,6 +65,7 @@ except ImportError:  # torch 2.4/2.5 (review 54e: the fallback imported a privat
 # torch.nn.utils.clip_grads_with_norm_ divides by (total_norm + 1e-6); the post-clip norm we
 # report is derived from the same coefficient, so it is what the clip really did.
 _EPS = 1e-6
+_EPS_F32 = round_float32(_EPS)  # (the scalar as a float32 kernel adds it)
 
 
 class GradSet:
@@ -144,11 +146,22 @@ class GradSet:
         """
         return {} if self.norms is None else {id(p): n for p, n in zip(self.params, self.norms)}
 
-    def scale_(self, factor: torch.Tensor) -> None:
+    def scale_(self, factor: torch.Tensor | float) -> None:
         """Every gradient multiplied by ``factor`` in place, with the foreach kernel per device
-        and dtype, as ``clip_grads_with_norm_`` does it."""
+        and dtype, as ``clip_grads_with_norm_`` does it.
+
+        A float (the exact step's factor, taken on the host: :func:`clip_coefficient_value`) is a
+        value of the gradients' dtype and multiplies them as a 0-dim tensor of it would: on a CPU
+        as such a tensor (``_foreach_mul_`` takes one ~3x faster than a Python scalar there), on an
+        accelerator as the kernel's scalar argument (a host tensor would be copied over first).
+        The choice is made here, so the step passes the value either way."""
         if not self.grads:
             return
+        if not isinstance(factor, torch.Tensor):
+            factor = self._operand(factor)
+            if not isinstance(factor, torch.Tensor):
+                torch._foreach_mul_(self.grads, factor)
+                return
         if self._one_group:
             torch._foreach_mul_(self.grads, factor.to(self.grads[0].device))
             return
@@ -159,6 +172,18 @@ class GradSet:
             else:
                 for g in group:
                     g.mul_(on_device)
+
+
+    def _operand(self, value: float) -> torch.Tensor | float:
+        """A float factor as :meth:`scale_` multiplies by it: the value itself for one foreach
+        group on an accelerator, else a 0-dim CPU tensor (of the group's dtype where that is a
+        :data:`HOST_ROUNDED` one, whose values the host's factors are; float64, exact for any
+        value, for other gradients)."""
+        grad = self.grads[0]
+        if self._one_group and grad.device.type != "cpu":
+            return value
+        return torch.scalar_tensor(value, dtype=grad.dtype if self._one_group and grad.dtype in HOST_ROUNDED
+                                   else torch.float64)
 
 
 def grad_values(grad: torch.Tensor) -> torch.Tensor:
@@ -314,6 +339,55 @@ def clip_coefficient(pre: torch.Tensor, max_norm: float | None) -> torch.Tensor 
     # ``max_norm / (pre + 1e-6)`` is ``reciprocal() * max_norm`` in PyTorch (Tensor.__rdiv__):
     # the same kernels, called without the operator's Python wrapper, on the temporary in place
     return (pre + _EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
+
+
+def factor_on_host(grads: GradSet, pre: torch.Tensor, max_norm: float | None) -> bool:
+    """Whether the exact step takes the clip factor on the host, from the norm its one read brings
+    (:func:`clip_coefficient_value`: four kernels and one element of the read fewer a step, review
+    54f), rather than on the device before the read: when clipping is on, the norm is of a
+    :data:`HOST_ROUNDED` dtype and the gradients are one foreach group of that dtype (their float
+    factor then multiplies them as the factor tensor would, :meth:`GradSet.scale_`). Else, and
+    always on the sync-free path, which reads nothing, the device computes it.
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0]); grads = GradSet([w])
+        >>> factor_on_host(grads, grads.norm(), 1.0), factor_on_host(grads, grads.norm(), None)
+        (True, False)
+        >>> factor_on_host(grads, grads.norm().half(), 1.0)  # (a half norm: each device op rounds to it)
+        False
+    """
+    return (pre.dtype in HOST_ROUNDED and grads._one_group and grads.grads[0].dtype == pre.dtype
+            and clip_threshold(max_norm) is not None)
+
+
+def clip_coefficient_value(pre: float, max_norm: float, dtype: torch.dtype) -> float:
+    """:func:`clip_coefficient` on the host, from the value of ``pre`` read back, bit for bit what
+    the device computes for a ``dtype`` in :data:`HOST_ROUNDED` (review 54f; tested over many norms
+    against the device). Float64: the same four IEEE double operations. Float32: each of the
+    device's float32 operations (``pre + 1e-6``, the reciprocal, ``x max_norm``, the clamp at 1)
+    is computed in a double and rounded to float32 once, which is the float32 operation's own
+    result: a sum, product or quotient of two float32 values, computed to 53 bits and rounded to
+    24, is never double-rounded wrong since 53 >= 2 x 24 + 2; the scalars (``1e-6``,
+    ``max_norm``) become float32 first, as the kernels' scalars do. ``pre`` is finite and >= 0
+    (a non-finite norm skips the step: no factor is applied). ``max_norm`` is on (> 0).
+
+    Example::
+
+        >>> all(clip_coefficient_value(v, m, torch.float32) == clip_coefficient(torch.tensor(v), m).item()
+        ...     for v in (0.0, 1e-7, 0.5, 0.999999, 1.0, 3.7, 1e30, 3e38) for m in (1.0, 0.3, 5.0))
+        True
+        >>> clip_coefficient_value(4.0, 1.0, torch.float32)  # (1 / (4 + 1e-6), in float32)
+        0.24999994039535522
+    """
+    max_norm = float(max_norm)  # (a one-element tensor threshold, as clip_threshold reads it)
+    if dtype == torch.float64:
+        return min(1.0 / (pre + _EPS) * max_norm, 1.0)
+    if dtype != torch.float32:
+        raise ValueError(f"clip_coefficient_value rounds float32 and float64, not {dtype}")
+    shifted = round_float32(pre + _EPS_F32)  # (> 0: pre >= 0)
+    inverse = round_float32(1.0 / shifted) if shifted else math.inf
+    return min(round_float32(inverse * round_float32(max_norm)), 1.0)
 
 
 def post_clip_norm(pre: torch.Tensor, factor: torch.Tensor, max_norm: float) -> torch.Tensor:

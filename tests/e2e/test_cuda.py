@@ -328,3 +328,62 @@ def test_the_host_scale_after_update_is_the_gpus_bit_for_bit() -> None:
                     scaler.add_found_inf_(opt, torch.tensor(float(found), device="cuda"))
                     scaler.update()
                     assert predicted == scaler.get_scale(), (scale, tracker, found, growth, backoff, floor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_host_clip_factor_is_the_gpus_bit_for_bit(dtype: torch.dtype) -> None:
+    # review 54f: the exact step takes the clip factor on the host from the norm it read
+    # (clip_coefficient_value) and multiplies the gradients by it as a Python float (the
+    # foreach kernel's scalar argument): the value must be the GPU's four operations' (its
+    # reciprocal the IEEE quotient), and the float's multiply the factor tensor's
+    from ampguard.clipping import GradSet, clip_coefficient, clip_coefficient_value
+
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.empty(200000, dtype=torch.float64).uniform_(-46, 38.5, generator=g)
+    pre = ((10 ** exponents) * torch.rand(200000, dtype=torch.float64, generator=g)).to(dtype)
+    pre = torch.cat([pre, torch.tensor([0.0, 1e-45, 1e-7, 0.999999, 1.0, 16.0, 32.0, 1e30, 3e38,
+                                        torch.finfo(torch.float32).max], dtype=dtype)])
+    norms = pre.tolist()
+    for max_norm in (1.0, 0.5, 1e-3, 3.3, 1e30, 3.4e38):
+        device = clip_coefficient(pre.cuda(), max_norm).tolist()
+        bad = [(v, d) for v, d in zip(norms, device) if clip_coefficient_value(v, max_norm, dtype) != d]
+        assert not bad, (max_norm, len(bad), bad[:3])
+
+    model = _model().to(dtype)
+    x, y = _data(1)[0]
+    for scale in (10.0, 1e3, 1e6):
+        model.zero_grad()
+        (nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)) * scale).backward()
+        by_float = [p.grad.clone() for p in model.parameters()]
+        grads = GradSet(list(model.parameters()))
+        pre = grads.norm()
+        factor = clip_coefficient(pre, 0.3)
+        grads.scale_(factor)  # (the device's factor tensor)
+        by_tensor = [p.grad for p in model.parameters()]
+        for p, grad in zip(model.parameters(), by_float):
+            p.grad = grad
+        GradSet(list(model.parameters())).scale_(clip_coefficient_value(pre.item(), 0.3, dtype))  # (a Python float)
+        assert factor.item() < 1.0
+        assert all(torch.equal(a, b) for a, b in zip(by_tensor, by_float))
+
+
+def test_a_clipped_run_is_bit_for_bit_the_canonical_loop_on_cuda() -> None:
+    # review 54f: every step clipped, its factor taken on the host: the weights are still the
+    # canonical loop's with clip_grad_norm_
+    data = _data(20)
+    mine = _model()
+    state = AmpTrainState(mine, torch.optim.AdamW(mine.parameters(), lr=1e-2), nn.functional.mse_loss,
+                          precision="fp32", max_norm=0.05)
+    records = [state.step(x, y) for x, y in data]
+    assert all(r.values()["grad_l2_pre_clip"] > 0.05 for r in records)
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ctx = Precision("fp32", "cuda")
+    for x, y in data:
+        with ctx.autocast():
+            loss = nn.functional.mse_loss(ref(x), y).float()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), ref.parameters()))

@@ -381,3 +381,67 @@ def test_the_torch_2_4_total_norm_of_nothing_and_of_a_non_finite_gradient():
         grads = [torch.ones(3), torch.tensor([1.0, bad], dtype=torch.bfloat16)]
         torch.testing.assert_close(_total_norm_torch24(grads), torch.nn.utils.get_total_norm(grads),
                                    rtol=0, atol=0, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- the host clip factor (review 54f)
+
+
+def _norms_for_the_factor(dtype: torch.dtype, n: int, seed: int) -> list[float]:
+    """Norms a clip factor may meet, as ``dtype`` values: random over the whole range, and the
+    edges: 0, subnormals, 1e-7, the neighbours of powers of two (where adding 1e-6 rounds up, or
+    back to the norm: float32's ulp crosses 1e-6 between 16 and 64), 1e30, 3e38, the largest."""
+    g = torch.Generator().manual_seed(seed)
+    top = 38.5 if dtype == torch.float32 else 308
+    exponents = torch.empty(n, dtype=torch.float64).uniform_(-46 if dtype == torch.float32 else -324, top, generator=g)
+    random = ((10 ** exponents) * torch.rand(n, dtype=torch.float64, generator=g)).to(dtype)
+    info = torch.finfo(dtype)
+    edges = [0.0, info.smallest_normal, info.tiny / 2**20, 1e-45, 1e-40, 1e-7, 1e-6, 9.9999997e-7, 0.999999, 1.0,
+             1e30, 3e38, info.max]
+    for k in range(-24, 41):
+        edges += [2.0**k, 2.0**k + 1e-6, 2.0**k - 1e-6]
+    edges = torch.tensor(edges, dtype=torch.float64).to(dtype)
+    around = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, math.inf)),
+                        torch.nextafter(edges, torch.zeros_like(edges))])
+    values = torch.cat([random, around])
+    return values[torch.isfinite(values)].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_host_clip_factor_is_the_devices_bit_for_bit(dtype):
+    """The exact step takes the clip factor on the host from the norm it read
+    (clip_coefficient_value): it must be the device's four operations' result (add 1e-6,
+    reciprocal, times max_norm, clamp at 1) exactly, for every norm and threshold, vectorised and
+    as the step's own 0-dim tensor."""
+    from ampguard.clipping import clip_coefficient, clip_coefficient_value
+
+    norms = _norms_for_the_factor(dtype, 20000, seed=54)
+    pre = torch.tensor(norms, dtype=dtype)
+    for max_norm in (1.0, 0.5, 1e-3, 3.3, 123.456, 1e30, 3.4e38, 1e39, 7e-39, 1e300):
+        device = clip_coefficient(pre, max_norm).tolist()
+        host = [clip_coefficient_value(v, max_norm, dtype) for v in norms]
+        bad = [(v, d, h) for v, d, h in zip(norms, device, host) if d != h]
+        assert not bad, (max_norm, len(bad), bad[:3])
+        for v in norms[::97]:  # (0-dim, as the step computes it)
+            assert clip_coefficient(torch.tensor(v, dtype=dtype), max_norm).item() == clip_coefficient_value(v, max_norm, dtype), (v, max_norm)
+
+
+def test_the_host_clip_factor_refuses_a_dtype_it_cannot_round():
+    from ampguard.clipping import clip_coefficient_value
+
+    with pytest.raises(ValueError, match="bfloat16"):
+        clip_coefficient_value(2.0, 1.0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_float_factor_multiplies_the_gradients_as_its_tensor_does(dtype):
+    """GradSet.scale_ takes the host's factor as a float: the gradients must come out as they do
+    multiplied by the factor tensor the device would have made."""
+    from ampguard.clipping import GradSet, clip_coefficient, clip_coefficient_value
+
+    grads = [g.to(dtype) for g in random_grads(7.0, seed=3)]
+    by_tensor, by_float = params_with_grads(*grads), params_with_grads(*grads)
+    pre = GradSet(by_tensor).norm()
+    GradSet(by_tensor).scale_(clip_coefficient(pre, 0.3))
+    GradSet(by_float).scale_(clip_coefficient_value(pre.item(), 0.3, dtype))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(by_tensor, by_float))
+    assert not torch.equal(by_float[0].grad, grads[0])  # (it clipped)

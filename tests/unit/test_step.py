@@ -1057,3 +1057,30 @@ def test_every_stack_the_step_makes_is_of_one_dtype(precision, sync_free):
         for x, y in batches[1:]:
             state.step(x, y).values()
     assert stacks.dtypes and all(len(d) == 1 for d in stacks.dtypes), stacks.dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_clip_at_every_step_is_bit_for_bit_the_canonical_loop(dtype):
+    """Review 54f: the exact step takes the clip factor on the host from the norm it reads. With a
+    threshold every step's norm exceeds (the factor applied each time, not 1), the weights must
+    still be the canonical loop's, and the reported post-clip norm the device's own product."""
+    from ampguard.clipping import clip_coefficient, post_clip_norm
+
+    batches = [(x.to(dtype), y.to(dtype)) for x, y in make_batches(12)]
+    ref = make_model(0).to(dtype)
+    ref_opt = adamw(ref)
+    for x, y in batches:
+        F.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    model = make_model(0).to(dtype)
+    state = AmpTrainState(model, adamw(model), F.mse_loss, precision="fp32", max_norm=0.05)
+    logs = [state.step(x, y) for x, y in batches]
+    assert_params_equal(model, ref)
+    for log in logs:
+        pre = log.grad_l2_pre_clip
+        assert pre.dtype == dtype and float(pre) > 0.05  # (clipped, by a factor below 1)
+        expected = post_clip_norm(pre, clip_coefficient(pre, 0.05), 0.05)
+        assert log.grad_l2_post_clip.dtype == dtype and torch.equal(log.grad_l2_post_clip, expected)
+        assert log.values()["grad_l2_post_clip"] == expected.item()
