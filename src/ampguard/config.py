@@ -32,7 +32,6 @@ from .precision import (DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, loss_scaler
                         uses_loss_scaler)
 
 
-
 MAX_FILE_BYTES = 1 << 20
 """A config file larger than this (1 MiB) is refused: configs are a page, not a data set."""
 MAX_DEPTH = 32

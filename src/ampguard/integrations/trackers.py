@@ -44,7 +44,6 @@ import contextlib
 import functools
 import importlib.util
 import os
-import re
 import sys
 import time
 import warnings
@@ -86,18 +85,17 @@ Settings refuse the value, in words that name no version) and takes W&B down wit
 
 
 def wandb_too_old(version: str) -> bool:
-    """Whether wandb ``version`` is older than :data:`WANDB_FLOOR` (a pre-release of a version
-    counts as it).
+    """Whether wandb ``version`` is older than :data:`WANDB_FLOOR` (a pre-release of the floor
+    counts as it; compared by ``packaging``, which wandb itself requires).
 
     Example::
 
         >>> [wandb_too_old(v) for v in ("0.16.0", "0.19.10", "0.20.1", "0.21.0", "0.21.0rc1", "0.31.0", "1.0")]
         [True, True, True, False, False, False, False]
     """
-    def numbers(text: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in re.findall(r"\d+", text.split("+")[0])[:3])
+    from packaging.version import Version
 
-    return numbers(version) < numbers(WANDB_FLOOR)
+    return Version(version).release < Version(WANDB_FLOOR).release
 
 
 def _require_wandb_floor() -> None:
