@@ -202,10 +202,17 @@ def _note_autocast(module: nn.Module, args: Any) -> None:
     gradients on, under autocast, before training, was taken for it: review 51l). A module-level
     function (a model with the hook still pickles). Nothing while ``torch.compile`` traces it: a
     graph that read the registry would be guarded on its entries' positions (a collected model
-    made a later compile fail with an ``IndexError``)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    made a later compile fail with an ``IndexError``). On a module no guard probes (a copy of the
+    model, which took the hook with it) it removes itself (:func:`_shed`)."""
+    if torch.compiler.is_compiling():
         return
-    for guard in _PROBING.get(module, ()):
+    probing = _PROBING.get(module)
+    if not probing:  # (a copy's: an EMA's deepcopy, swa_utils' AveragedModel, made before the first backward)
+        _shed(module, _note_autocast, _PROBING)
+        return
+    if not torch.is_grad_enabled():
+        return
+    for guard in probing:
         if guard._autocast_probes:  # (its probe still open)
             device_type = guard.precision.device_type
             guard._forward_autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
@@ -217,7 +224,10 @@ def note_autocast_inside(module: nn.Module) -> None:
     the probe's pre-hook ran before the wrapper, outside its autocast. Nothing once the probe ended."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
-    for guard in _PROBING.get(module, ()):
+    probing = _PROBING.get(module)
+    if not probing:  # (none: nothing to note, and nothing to shed, which the hook itself does)
+        return
+    for guard in probing:
         if guard._autocast_probes:  # (still open: what the pre-hook noted outside the wrapper is taken back)
             guard._forward_autocast = None
     _note_autocast(module, ())
@@ -386,8 +396,9 @@ def _probe_autocast(guard: Any, modules: Sequence[nn.Module]) -> list[Any]:
         # when one was added and removed)
         if is_compiled(module) or distributed.defers_sync(module):
             continue
-        _PROBING.setdefault(module, weakref.WeakSet()).add(guard)
-        handle = module.register_forward_pre_hook(_note_autocast)
+        with _HOOKS_LOCK:  # (not between a copy's hook finding no guard and its removing itself: _shed)
+            _PROBING.setdefault(module, weakref.WeakSet()).add(guard)
+            handle = module.register_forward_pre_hook(_note_autocast)
         weakref.finalize(guard, handle.remove)
         handles.append(handle)
     return handles
@@ -428,15 +439,37 @@ def _keep_running_stats(module: nn.Module, args: Any) -> None:
     copies the statistics, once a step. A module-level function (a model with it pickles, and
     loads where ampguard is installed). Nothing while ``torch.compile`` traces it, checked before
     the registry is read (a graph guarded on the registry would compile again with every guard
-    made or collected)."""
-    if not module.training or torch.compiler.is_compiling():
+    made or collected). On a layer no keeper watches it removes itself (:func:`_shed`), at any
+    forward, in eval mode too: a copy's (an EMA's deepcopy, swa_utils' ``AveragedModel``, a
+    teacher), which took the hook with it, or an unpickled model's whose guard is gone."""
+    if torch.compiler.is_compiling():
         return
     keepers = _KEEPING.get(module)
-    if keepers:
-        with _HOOKS_LOCK:  # (the set as it is now: another thread may be adding a keeper to it)
-            keepers = list(keepers)
-        for keeper in keepers:
-            keeper.keep()
+    if not keepers:
+        _shed(module, _keep_running_stats, _KEEPING)
+        return
+    if not module.training:
+        return
+    with _HOOKS_LOCK:  # (the set as it is now: another thread may be adding a keeper to it)
+        keepers = list(keepers)
+    for keeper in keepers:
+        keeper.keep()
+
+
+def _shed(module: nn.Module, hook: Any, registry: weakref.WeakKeyDictionary[nn.Module, Any]) -> None:
+    """Take ``hook`` off ``module``, which no guard watches (``registry`` holds none for it): its
+    own hook, a handle's, is the guard's to remove (:func:`_release`, the probe's end). Review
+    54a: a copy of a guarded model (``copy.deepcopy``, ``AveragedModel``) took ampguard's hooks
+    with it, kept for good (nothing held their handles), so a ``torch.save(copy)`` named
+    ``ampguard.watch`` and did not load where ampguard is not installed; now the copy's first
+    forward sheds them (a copy saved before any forward of its own still names them). Under the
+    lock, checked again: a guard may be taking the module on in another thread."""
+    with _HOOKS_LOCK:
+        if registry.get(module) or (hook is _keep_running_stats and module in _HOOKED):  # (_release's to remove)
+            return
+        for key in [key for key, value in module._forward_pre_hooks.items() if value is hook]:
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def _ours(layer: nn.Module) -> bool:
