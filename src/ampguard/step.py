@@ -204,9 +204,20 @@ def _driven(scheduler: Any) -> Any:
 
 def _drives(scheduler: Any, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``scheduler`` was made over ``optimizer``: its ``.optimizer``, or a wrapper of it
-    (a scheduler made over Accelerate's prepared optimizer, whose torch optimizer the guard holds)."""
+    (a scheduler made over Accelerate's prepared optimizer, whose torch optimizer the guard holds),
+    or an optimizer whose param groups are ``optimizer``'s (the same list, or the same group
+    dicts): review 54a, a plain wrapper the guard steps (Lookahead's shape: no
+    ``torch.optim.Optimizer``, which torch's schedulers refuse) has its scheduler made over the
+    optimizer inside it, and that was refused as driving none of the guard's optimizers."""
     driven = _driven(scheduler)
-    return driven is optimizer or (driven is not None and getattr(driven, "optimizer", None) is optimizer)
+    if driven is None:
+        return False
+    if driven is optimizer or getattr(driven, "optimizer", None) is optimizer:
+        return True
+    mine, its = getattr(optimizer, "param_groups", None), getattr(driven, "param_groups", None)
+    if not isinstance(mine, list) or not isinstance(its, list) or not mine:
+        return False
+    return its is mine or (len(its) == len(mine) and all(a is b for a, b in zip(its, mine)))
 
 
 def _note_update(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -233,7 +244,8 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
             driven = _driven(sched)
             if driven is not None and not _drives(sched, optimizers[str(name)]):  # (a GAN's two swapped)
                 raise ValueError(f"scheduler {name!r}: the {type(sched).__name__} given drives another optimizer "
-                                 f"than {name!r} (it would follow {name!r}'s updates and skips, not its own's)")
+                                 f"than {name!r} (it would follow the updates and skips of {name!r}, not those of "
+                                 "its own optimizer)")
             out[str(name)].append(sched)
     else:
         for sched in scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]:
