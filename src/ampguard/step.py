@@ -320,12 +320,31 @@ def check_settings(max_norm: Any, scheduler_on_skip: Any, frozen: Any) -> None:
 
 
 def _refuse_sparse_clip(root: nn.Module, max_norm: float | None) -> None:
-    """A model that makes sparse gradients cannot be clipped (as ``clip_grad_norm_`` cannot)."""
+    """A model that makes sparse gradients cannot be clipped (as ``clip_grad_norm_`` cannot:
+    ``NotImplementedError`` on torch 2.13), refused up front where a module says so (an
+    ``nn.Embedding(sparse=True)``); any other sparse gradient at the step (:func:`_refuse_sparse_grads`)."""
     sparse = [name for name, m in root.named_modules() if getattr(m, "sparse", False) is True]
     if sparse and max_norm is not None and max_norm > 0:
         which = f"module {sparse[0]!r}" if sparse[0] else "the model"
         raise ValueError(f"{which} makes sparse gradients, which PyTorch's clip_grad_norm_ cannot "
                          "clip: pass max_norm=None (the norm and the non-finite check still cover them)")
+
+
+def _refuse_sparse_grads(root: nn.Module, grads: GradSet, max_norm: float | None) -> None:
+    """A sparse gradient at a step that clips is refused, whatever made it. Review 54a: only a
+    module's ``sparse=True`` was refused (:func:`_refuse_sparse_clip`); ``F.embedding(...,
+    sparse=True)`` passed and its gradient was clipped, where the recipe's ``clip_grad_norm_``
+    raises. Nothing to read when the gradients are one foreach group (dense: the common case)."""
+    if max_norm is None or max_norm <= 0 or grads._one_group:
+        return
+    held = next((p for p, g in zip(grads.params, grads.grads) if g.is_sparse), None)
+    if held is None:
+        return
+    name = next((n for n, p in root.named_parameters() if p is held), None)
+    which = f"parameter {name!r}" if name is not None else f"a parameter of shape {list(held.shape)}"
+    raise ValueError(f"Guard.step(): {which} has a sparse gradient (F.embedding(..., sparse=True)?), which "
+                     "PyTorch's clip_grad_norm_ cannot clip: pass max_norm=None (the norm and the non-finite "
+                     "check still cover it)")
 
 
 def _adopt_scaler(scaler: Any, precision: Precision) -> GuardedGradScaler:
@@ -1443,6 +1462,7 @@ class Guard:
                                "use one made from the model's output, output.sum() * 0), a zero_grad() between "
                                "guard.backward() and guard.step(), or an optimizer stepped inside the backward "
                                "(register_post_accumulate_grad_hook: not supported)")
+        _refuse_sparse_grads(self._root, grads, self.max_norm)
         norms = [distributed.full_norm(grads.norm())]
         if len(names) > 1:  # each optimizer's own norm, from the per-parameter norms just taken
             norms += [distributed.full_norm(grads.norm_of(self._params_of[n])) for n in names]
