@@ -1958,7 +1958,8 @@ def cpu_name() -> str:
 
 def versions() -> dict[str, str | None]:
     """What the figures were measured with: ampguard (and its git commit, where it runs from a
-    checkout), Python, torch (and its CUDA), and each peer or extra the bench may run (``None``:
+    checkout, else ``AMPGUARD_COMMIT``: the GPU machine gets a copy of the tree without ``.git``,
+    and benchmarks/gpu.sh sets it from the commit gpu_wheels.sh wrote there; review 54h), Python, torch (and its CUDA), and each peer or extra the bench may run (``None``:
     not installed; read from the installed metadata, nothing imported).
 
     Example::
@@ -1982,6 +1983,7 @@ def versions() -> dict[str, str | None]:
         done = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=5, check=False)
         commit = (done.stdout.strip() or None) if done.returncode == 0 else None
+    commit = commit or os.environ.get("AMPGUARD_COMMIT") or None
     return {"ampguard": installed("ampguard"), "ampguard_commit": commit, "python": platform.python_version(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "accelerate": installed("accelerate"),
             "lightning": installed("lightning"), "torchao": installed("torchao")}
