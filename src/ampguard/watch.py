@@ -15,6 +15,7 @@ import functools
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -463,13 +464,18 @@ def _shed(module: nn.Module, hook: Any, registry: weakref.WeakKeyDictionary[nn.M
     with it, kept for good (nothing held their handles), so a ``torch.save(copy)`` named
     ``ampguard.watch`` and did not load where ampguard is not installed; now the copy's first
     forward sheds them (a copy saved before any forward of its own still names them). Under the
-    lock, checked again: a guard may be taking the module on in another thread."""
+    lock, checked again: a guard may be taking the module on in another thread. The module gets
+    new hook tables without it, never the old ones edited: a shallow copy (``copy.copy``, the
+    replicas ``nn.DataParallel`` makes) shares them with the original, whose guard still needs its
+    hook (review 54i: a copy's first forward took the original's hooks off)."""
     with _HOOKS_LOCK:
         if registry.get(module) or (hook is _keep_running_stats and module in _HOOKED):  # (_release's to remove)
             return
-        for key in [key for key, value in module._forward_pre_hooks.items() if value is hook]:
-            del module._forward_pre_hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
+        hooks, with_kwargs = module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs
+        shed = {key for key, value in hooks.items() if value is hook}
+        if shed:
+            module._forward_pre_hooks = OrderedDict((k, v) for k, v in hooks.items() if k not in shed)
+            module._forward_pre_hooks_with_kwargs = OrderedDict((k, v) for k, v in with_kwargs.items() if k not in shed)
 
 
 def _ours(layer: nn.Module) -> bool:

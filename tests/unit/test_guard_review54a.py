@@ -109,6 +109,41 @@ def test_a_copy_a_guard_watches_keeps_the_hook_until_that_guard_is_gone():
     assert _ampguard_hooks(model) == []
 
 
+@pytest.mark.parametrize("make", ["copy.copy", "a DataParallel replica"])
+def test_a_shallow_copys_forward_leaves_the_originals_hooks(make):
+    """Review 54i: a shallow copy (``copy.copy``, the replicas ``nn.DataParallel`` makes) shares
+    its hook tables with the original; shedding the hook from the copy took it off the original
+    too, so a skipped step left BatchNorm's statistics NaN and a bf16 forward without autocast
+    was no longer told."""
+    model = _bn_model()
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", max_norm=1.0)
+    bn = model[1]
+    if make == "copy.copy":
+        view = copy.copy(bn)
+    else:
+        view = bn._replicate_for_data_parallel()
+        view._parameters.update(bn._parameters)
+    assert view._forward_pre_hooks is bn._forward_pre_hooks  # (shared: what made the shed reach the original)
+    view(torch.randn(8, 6))
+    assert "1:_keep_running_stats" in _ampguard_hooks(model)
+    assert not any(h is _keep_running_stats for h in view._forward_pre_hooks.values())  # (the copy's own, shed)
+    x = torch.randn(8, 4)
+    _train_step(guard, model, x)
+    before = bn.running_mean.clone()
+    assert _train_step(guard, model, x, bad=True).skipped
+    assert torch.equal(bn.running_mean, before)  # put back by the original's hook
+
+
+def test_a_shallow_copys_forward_leaves_the_autocast_probe_on_the_original():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16")
+    copy.copy(model)(torch.randn(2, 4))
+    with pytest.warns(Warning, match="without autocast"):
+        guard.backward(model(torch.randn(4, 4)).pow(2).mean())  # (forgot guard.autocast())
+        guard.step()
+
+
 # ---------------------------------------------------------------------------- a wrapper's scheduler
 
 
