@@ -370,7 +370,10 @@ def clip_coefficient_value(pre: float, max_norm: float, dtype: torch.dtype) -> f
     result: a sum, product or quotient of two float32 values, computed to 53 bits and rounded to
     24, is never double-rounded wrong since 53 >= 2 x 24 + 2; the scalars (``1e-6``,
     ``max_norm``) become float32 first, as the kernels' scalars do. ``pre`` is finite and >= 0
-    (a non-finite norm skips the step: no factor is applied). ``max_norm`` is on (> 0).
+    (a non-finite norm skips the step: no factor is applied). ``max_norm`` is on (> 0). One
+    difference left (review 54i): under ``torch.set_flush_denormal(True)`` a factor below float32's
+    smallest normal (a finite norm above ~1e38 times ``max_norm``) is flushed to 0 by the kernels,
+    not by the host; either leaves the gradients at ~0.
 
     Example::
 
