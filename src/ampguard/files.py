@@ -654,6 +654,58 @@ def _take_owner_and_mode(old: os.stat_result, fd: int) -> None:
         os.fchmod(fd, stat.S_IMODE(old.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
 
 
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def rename_onto_nothing(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename ``src`` (a file or a folder) to ``dst``, which must not exist: :class:`FileExistsError`
+    when something is there, a folder too, even an empty one (which ``rename(2)`` replaces). One
+    atomic step where the C library and the file system have ``renameat2(RENAME_NOREPLACE)``
+    (Linux); elsewhere a look, then ``os.rename``, which refuses a file or a folder that holds
+    anything there (an empty folder made between the two is replaced: nothing in it is lost).
+    What puts a new run folder in place whole (review 54c: :meth:`RunPaths.new_run_dir`).
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "a").mkdir(); (root / "b").mkdir()
+        >>> try:
+        ...     rename_onto_nothing(root / "a", root / "b")  # (an empty folder: rename(2) replaces it)
+        ... except FileExistsError:
+        ...     print("refused")
+        refused
+        >>> rename_onto_nothing(root / "a", root / "c"); sorted(p.name for p in root.iterdir())
+        ['b', 'c']
+        >>> shutil.rmtree(root)
+    """
+    import ctypes
+
+    src_b, dst_b = os.fsencode(src), os.fsencode(dst)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # (no such C library call: the look, then rename)
+        renameat2 = None
+    if renameat2 is not None:
+        renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+        renameat2.restype = ctypes.c_int
+        if renameat2(_AT_FDCWD, src_b, _AT_FDCWD, dst_b, _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):  # (EINVAL: a file system without the flag)
+            raise OSError(code, os.strerror(code), os.fspath(src), None, os.fspath(dst))
+    if os.path.lexists(dst_b):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(src), None, os.fspath(dst))
+    try:
+        os.rename(src_b, dst_b)
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST) or (err.errno == errno.ENOTDIR and os.path.lexists(dst_b)):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(src), None, os.fspath(dst)) from None
+        raise
+
+
 def make_parents(path: str | os.PathLike, made: list[Path]) -> None:
     """Make the missing folders above ``path``, outermost first, appending to ``made`` each one
     this process made (so a caller that fails part-way knows what to take back). A folder a

@@ -29,7 +29,8 @@ import torch
 
 from .config import Config, dump_config
 from .errors import ExitCode, InputError, failed_because
-from .files import DiskFull, is_temporary, make_parents, replace_atomically
+from .files import (STALE_AFTER_S, DiskFull, _temporary_name, is_temporary, left_by_an_ended_process, make_parents,
+                    rename_onto_nothing, replace_atomically)
 
 if TYPE_CHECKING:
     from .monitor import RunMonitor
@@ -118,11 +119,20 @@ class RunPaths:
     @classmethod
     def new_run_dir(cls, config: Config, on_made: Callable[[RunPaths], None] | None = None) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default), never reusing one,
-        and write the effective config and the run id into it. When that fails it is one :class:`InputError`
+        with the effective config and the run id in it. When that fails it is one :class:`InputError`
         line, and the folders it created are removed again (the run folder; ``log.dir`` and its
         parents while empty: a run started beside this one may have put its folder there).
-        ``on_made`` is told the paths as soon as the folder exists (a caller that takes an unused
-        folder back after a Ctrl-C knows it even if the signal lands before this returns).
+        ``on_made`` is told the paths as soon as the folder is at its name (a caller that takes an
+        unused folder back after a Ctrl-C knows it even if the signal lands before this returns).
+
+        The folder is made under a temporary name beside it (``.NAME.tmp-PID-RANDOM``), its
+        ``config.yaml`` and ``run-id`` written there, and renamed into place only then, onto a name
+        that must not exist (:func:`~ampguard.files.rename_onto_nothing`): a process killed in
+        between (SIGKILL runs no taking back) leaves no folder at the name. (Review 54c: it made
+        ``runs/NAME`` first, and a kill before its ``config.yaml`` left it empty, or holding the
+        dead process's ``.config.yaml.tmp-*``: a rerun was refused the name, ``report`` found no
+        CSV.) Such a leftover, hidden, is removed by a later start-up in ``log.dir``
+        (:func:`_remove_abandoned`). A stop signal while it is made takes back what it made.
 
         Example (``log.dir`` under a file: nothing is left behind)::
 
@@ -139,6 +149,9 @@ class RunPaths:
             cannot create run folder ROOT/runs/xxxxxxxxxxxxxxxxxxxxxxxxx
             >>> sorted(p.name for p in root.iterdir())  # no empty runs/ left behind
             ['a-file']
+            >>> paths = RunPaths.new_run_dir(validate({"log": {"dir": str(root / "runs"), "name": "a"}}))
+            >>> sorted(p.name for p in paths.dir.iterdir()), sorted(p.name for p in (root / "runs").iterdir())
+            (['config.yaml', 'run-id'], ['a'])
             >>> shutil.rmtree(root)
         """
         if config.log.name:
@@ -150,33 +163,40 @@ class RunPaths:
         if config.log.name and run_dir.exists():
             raise taken(run_dir)
         created: list[Path] = []
+        staged: RunPaths | None = None
+        run_id: str | None = None
+        handed = False
         try:
             make_parents(run_dir, created)
-            remade = False
-            while True:  # the run folder itself: never one another run made, even a moment ago
+            _remove_abandoned(run_dir.parent)
+            staging = run_dir.with_name(_temporary_name(run_dir.name))
+            try:
+                staging.mkdir()
+            except FileNotFoundError:  # a parent another run made, then took back unused, meanwhile
+                make_parents(run_dir, created)
+                staging.mkdir()
+            staged = cls(csv=staging / "steps.csv", dir=staging)
+            staged.write_config(config)
+            run_id = staged.ensure_run_id()  # (here: a disk full by then was a traceback from the run's open)
+            while True:  # into place: never onto a folder another run made, even a moment ago
                 try:
-                    run_dir.mkdir()
+                    rename_onto_nothing(staging, run_dir)
                     break
                 except FileExistsError:
                     if config.log.name:
-                        raise
+                        raise taken(run_dir) from None
                     run_dir = run_dir.parent / next(names)
-                except FileNotFoundError:  # a parent another run made, then took back unused, meanwhile
-                    if remade:
-                        raise
-                    remade = True
-                    make_parents(run_dir, created)
             created.append(run_dir)
             paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created)
             if on_made is not None:
                 on_made(paths)
-            paths.write_config(config)
-            paths.ensure_run_id()  # (here: a disk full by then was a traceback from the run's open)
-        except (OSError, ValueError, DiskFull) as err:  # (replace_atomically names a full disk DiskFull)
-            _remove_created(created, run_dir)
-            if isinstance(err, FileExistsError) and run_dir not in created and run_dir.exists():  # a race
-                raise taken(run_dir) from None
-            err = err.error if isinstance(err, DiskFull) else err
+            handed = True
+        except BaseException as err:  # (a stop signal too: what is not handed over yet is taken back here)
+            if not handed:
+                _remove_staged(staged, run_dir, run_id, created)
+            if isinstance(err, InputError) or not isinstance(err, (OSError, ValueError, DiskFull)):
+                raise
+            err = err.error if isinstance(err, DiskFull) else err  # (replace_atomically names a full disk DiskFull)
             why = failed_because(err)
             raise InputError(f"cannot create run folder {run_dir}: {why}") from None
         return paths
@@ -462,6 +482,45 @@ def _pid_in(fd: int) -> str | None:
     """The pid a lock file's holder wrote in it (:meth:`RunPaths.lock`), or None when it holds none."""
     pid = os.read(fd, 32).decode("ascii", "replace").strip()
     return pid if pid.isdigit() else None
+
+
+def _remove_staged(staged: RunPaths | None, run_dir: Path, run_id: str | None, created: list[Path]) -> None:
+    """Undo a :meth:`RunPaths.new_run_dir` that failed or was stopped before it handed its folder
+    over: the folder it staged, or, renamed already (a signal just after the rename), the run
+    folder that holds its ``run_id``; then the parents it made, while empty."""
+    if staged is not None and staged.dir is not None and staged.dir.is_dir():
+        shutil.rmtree(staged.dir, ignore_errors=True)
+    elif run_id is not None and run_dir not in created:
+        with contextlib.suppress(InputError, OSError):
+            if RunPaths.existing(run_dir).run_id() == run_id:  # (this process's: a run id is never another's)
+                created.append(run_dir)
+    _remove_created(created, run_dir)
+
+
+ABANDONED = re.compile(r"\..+\.tmp-\d+-[0-9a-f]+")
+"""The name of a run folder being made (:meth:`RunPaths.new_run_dir`): ``.NAME.tmp-PID-RANDOM``."""
+
+
+def _remove_abandoned(log_dir: Path) -> None:
+    """Remove from ``log_dir`` the run folders being made (:data:`ABANDONED`) that a process killed
+    while making them left (review 54c): real folders (not links) of this user, of a process that
+    runs no more (:func:`~ampguard.files.left_by_an_ended_process`), untouched for
+    :data:`~ampguard.files.STALE_AFTER_S` (one being made on another machine sharing the folder,
+    whose process this one cannot see, is renamed into place within moments). Best effort."""
+    try:
+        names = os.listdir(log_dir)
+    except OSError:
+        return
+    for name in names:
+        if not ABANDONED.fullmatch(name) or not left_by_an_ended_process(name):
+            continue
+        folder = log_dir / name
+        try:
+            seen = folder.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(seen.st_mode) and seen.st_uid == os.geteuid() and time.time() - seen.st_mtime > STALE_AFTER_S:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _remove_created(created: list[Path], run_dir: Path) -> None:

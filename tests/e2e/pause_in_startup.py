@@ -13,6 +13,9 @@ Usage: ``python pause_in_startup.py MARKER PHASE ARGS...`` with PHASE one of
 - ``run_folder_in_c``: there too, but waiting in one C call that a signal does not end (a read
   restarted after a signal, what a start-up collective whose peer died is to a SIGTERM: no Python
   handler runs), never let go: the run's start-up watcher must end it (its grace set to 1 s here);
+- ``config_write``: inside the making of the new run folder (``RunPaths.new_run_dir``), as it is
+  about to write ``config.yaml`` (``RunPaths.write_config``), nothing of the run in place yet: where
+  a SIGKILL left a folder that took the name (review 54c);
 - ``before_step_1``: the run is open, its signal handlers installed, its first step not begun
   (the first call of ``Trainer.train_step``).
 
@@ -114,6 +117,16 @@ def main(argv: list[str]) -> int:
             return paths
 
         RunPaths.new_run_dir = classmethod(made_then_stuck)
+    elif phase == "config_write":
+        from ampguard.run_folder import RunPaths
+
+        write_config = RunPaths.write_config
+
+        def writing_config(self: Any, config: Any) -> None:
+            _pause(marker, phase)
+            write_config(self, config)
+
+        RunPaths.write_config = writing_config  # new_run_dir calls it through the class
     elif phase == "before_step_1":
         from ampguard.trainer import Trainer
 

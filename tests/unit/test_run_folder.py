@@ -72,6 +72,21 @@ def _another_run_makes(monkeypatch, folder: Path, *, then_fill: bool = False) ->
     monkeypatch.setattr(Path, "mkdir", mkdir)
 
 
+def _another_run_takes(monkeypatch, folder: Path, *, then_fill: bool = False) -> None:
+    """Another run, started beside this one, puts its run folder at ``folder`` between this run's
+    look and its rename of the folder it made under a temporary name into place there (review 54c:
+    the moment that decides; the run folder is no longer made at its name)."""
+    real_rename = run_folder.rename_onto_nothing
+
+    def rename(src, dst):
+        if Path(dst) == folder and not folder.exists():
+            folder.mkdir()
+            if then_fill:
+                (folder / "its-run").mkdir()
+        return real_rename(src, dst)
+    monkeypatch.setattr(run_folder, "rename_onto_nothing", rename)
+
+
 def test_a_log_dir_another_run_makes_at_the_same_moment_is_shared_not_refused(tmp_path, monkeypatch):
     """Two runs started together into a ``log.dir`` not yet there: each looked, found none, and
     made it; the second's ``mkdir`` failed and its run was refused, "cannot create run folder
@@ -88,28 +103,30 @@ def test_a_timestamp_another_run_takes_at_the_same_moment_is_passed_over(tmp_pat
     """Two unnamed runs started in the same second: both found the timestamp free; the second's
     ``mkdir`` failed with "already exists; choose another log.name", a name it was never given."""
     monkeypatch.setattr(run_folder.time, "strftime", lambda fmt: "20240102-030405")
-    _another_run_makes(monkeypatch, tmp_path / "20240102-030405")
+    _another_run_takes(monkeypatch, tmp_path / "20240102-030405")  # (an empty folder: taken too)
     paths = RunPaths.new_run_dir(config_in(tmp_path))
     assert paths.dir.name == "20240102-030405-2" and paths.created == [paths.dir]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["20240102-030405", "20240102-030405-2"]
 
 
 def test_a_name_another_run_takes_at_the_same_moment_is_refused_and_its_folder_left_alone(tmp_path, monkeypatch):
-    _another_run_makes(monkeypatch, tmp_path / "runs" / "b", then_fill=True)
+    _another_run_takes(monkeypatch, tmp_path / "runs" / "b", then_fill=True)
     with pytest.raises(InputError) as err:
         RunPaths.new_run_dir(config_in(tmp_path / "runs", "b"))
     assert str(err.value) == f"run folder {tmp_path / 'runs' / 'b'} already exists; choose another log.name"
     assert sorted(p.name for p in (tmp_path / "runs" / "b").iterdir()) == ["its-run"]  # not removed as ours
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["b"]  # (nor the folder it made left)
 
 
 def test_a_log_dir_another_run_takes_back_at_the_same_moment_is_made_again(tmp_path, monkeypatch):
     """A run refused after making ``runs/`` takes it back while empty (``remove_unused``): between
-    this run's look and its ``mkdir`` of ``runs/b`` it was gone ("No such file or directory")."""
+    this run's look and its ``mkdir`` of ``runs/b`` (since review 54c: of ``runs/.b.tmp-*``, renamed
+    to ``runs/b`` once written) it was gone ("No such file or directory")."""
     (tmp_path / "runs").mkdir()  # the other run's, empty
     real_mkdir, taken = Path.mkdir, []
 
     def mkdir(self, *args, **kwargs):
-        if self == tmp_path / "runs" / "b" and not taken:
+        if self.parent == tmp_path / "runs" and self.name.startswith(".b.tmp-") and not taken:
             taken.append((tmp_path / "runs").rmdir())  # the other run takes its folder back
         return real_mkdir(self, *args, **kwargs)
     monkeypatch.setattr(Path, "mkdir", mkdir)

@@ -1,0 +1,71 @@
+"""Review 54c: a new run folder is made under a temporary name beside it and renamed into place once
+its ``config.yaml`` and ``run-id`` are in it (``RunPaths.new_run_dir``): a start-up stopped while it
+writes them leaves nothing at the name, and what a SIGKILL left there (a hidden ``.NAME.tmp-PID-RANDOM``
+folder) is removed by a later start-up once its process has ended. (The kill itself, in a real
+process: tests/e2e/test_startup_kill_review54.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from ampguard.config import validate
+from ampguard.errors import InputError
+from ampguard.files import STALE_AFTER_S
+from ampguard.run_folder import RunPaths
+
+
+def _config(runs, name=None):
+    return validate({"log": {"dir": str(runs), **({"name": name} if name else {})}})
+
+
+def _ended_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_stop_while_the_folder_is_written_leaves_nothing(tmp_path, monkeypatch):
+    def stopped(self, config):  # (a Ctrl-C landing as config.yaml is written)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunPaths, "write_config", stopped)
+    told = []
+    with pytest.raises(KeyboardInterrupt):
+        RunPaths.new_run_dir(_config(tmp_path / "runs", "a"), on_made=told.append)
+    assert told == [] and sorted(tmp_path.iterdir()) == []  # (runs/a was left, holding nothing of a run)
+
+
+def test_the_folder_appears_whole_and_a_taken_name_is_refused(tmp_path):
+    runs = tmp_path / "runs"
+    paths = RunPaths.new_run_dir(_config(runs, "a"))
+    assert sorted(p.name for p in runs.iterdir()) == ["a"]
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["config.yaml", "run-id"]
+    (runs / "empty").mkdir()  # (an empty folder is a name taken too: rename(2) would replace it)
+    for name in ("a", "empty"):
+        with pytest.raises(InputError, match="already exists; choose another log.name"):
+            RunPaths.new_run_dir(_config(runs, name))
+    assert sorted(p.name for p in runs.iterdir()) == ["a", "empty"]
+    stamped = [RunPaths.new_run_dir(_config(runs)).dir.name for _ in range(3)]  # (a timestamp: made unique)
+    assert len(set(stamped)) == 3
+
+
+def test_what_a_killed_start_up_left_is_removed_once_its_process_ended(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    dead, old = _ended_pid(), time.time() - STALE_AFTER_S - 60
+    left = {
+        f".a.tmp-{dead}-00ff": old,  # a dead process's, long untouched: removed
+        f".b.tmp-{dead}-00ff": None,  # a dead process's, touched now (another machine's, maybe): kept
+        f".c.tmp-{os.getpid()}-00ff": old,  # a running process's: kept
+    }
+    for name, when in left.items():
+        (runs / name).mkdir()
+        (runs / name / "config.yaml").write_text("x\n")
+        if when is not None:
+            os.utime(runs / name, (when, when))
+    RunPaths.new_run_dir(_config(runs, "d"))
+    assert sorted(p.name for p in runs.iterdir()) == sorted([f".b.tmp-{dead}-00ff", f".c.tmp-{os.getpid()}-00ff", "d"])
