@@ -20,6 +20,7 @@ import shutil
 import stat
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import Config, dump_config
-from .errors import ExitCode, InputError, failed_because
+from .errors import AmpguardWarning, ExitCode, InputError, failed_because
 from .files import (STALE_AFTER_S, DiskFull, _temporary_name, is_temporary, left_by_an_ended_process, make_parents,
                     rename_onto_nothing, replace_atomically)
 
@@ -117,7 +118,8 @@ class RunPaths:
         return cls(csv=run_dir / "steps.csv", dir=run_dir)
 
     @classmethod
-    def new_run_dir(cls, config: Config, on_made: Callable[[RunPaths], None] | None = None) -> RunPaths:
+    def new_run_dir(cls, config: Config, on_made: Callable[[RunPaths], None] | None = None, *,
+                    lock: bool = False) -> RunPaths:
         """Create the run folder ``log.dir/log.name`` (a timestamp by default), never reusing one,
         with the effective config and the run id in it. When that fails it is one :class:`InputError`
         line, and the folders it created are removed again (the run folder; ``log.dir`` and its
@@ -133,6 +135,10 @@ class RunPaths:
         dead process's ``.config.yaml.tmp-*``: a rerun was refused the name, ``report`` found no
         CSV.) Such a leftover, hidden, is removed by a later start-up in ``log.dir``
         (:func:`_remove_abandoned`). A stop signal while it is made takes back what it made.
+        ``lock``: the folder is locked (:meth:`lock`) before it is renamed into place, so it is
+        held at its name for as long as its process lives; a folder at the name that holds
+        nothing of a run (:func:`_killed_start`: a start-up killed after the rename, before its
+        logs opened) and whose lock nobody holds is taken, with a warning line.
 
         Example (``log.dir`` under a file: nothing is left behind)::
 
@@ -160,7 +166,7 @@ class RunPaths:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             names = itertools.chain([stamp], (f"{stamp}-{n}" for n in itertools.count(2)))
         run_dir = Path(config.log.dir) / next(names)
-        if config.log.name and run_dir.exists():
+        if config.log.name and run_dir.exists() and not _killed_start(run_dir):
             raise taken(run_dir)
         created: list[Path] = []
         staged: RunPaths | None = None
@@ -176,6 +182,8 @@ class RunPaths:
                 make_parents(run_dir, created)
                 staging.mkdir()
             staged = cls(csv=staging / "steps.csv", dir=staging)
+            if lock:  # (held at its name from its first moment there: never taken for a killed start's)
+                staged.lock()
             staged.write_config(config)
             run_id = staged.ensure_run_id()  # (here: a disk full by then was a traceback from the run's open)
             while True:  # into place: never onto a folder another run made, even a moment ago
@@ -184,15 +192,19 @@ class RunPaths:
                     break
                 except FileExistsError:
                     if config.log.name:
+                        if _take_killed_start(run_dir):
+                            continue
                         raise taken(run_dir) from None
                     run_dir = run_dir.parent / next(names)
             created.append(run_dir)
-            paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created)
+            paths = cls(csv=run_dir / "steps.csv", dir=run_dir, created=created, _lock=staged._lock)
             if on_made is not None:
                 on_made(paths)
             handed = True
         except BaseException as err:  # (a stop signal too: what is not handed over yet is taken back here)
             if not handed:
+                if staged is not None:
+                    staged.unlock()
                 _remove_staged(staged, run_dir, run_id, created)
             if isinstance(err, InputError) or not isinstance(err, (OSError, ValueError, DiskFull)):
                 raise
@@ -349,7 +361,7 @@ class RunPaths:
             return False
         try:
             names = {p.name for p in self.dir.iterdir()}
-            if {n for n in names if not is_temporary(n)} - {"config.yaml", RUN_ID_FILE, "wandb"}:
+            if {n for n in names if not is_temporary(n)} - UNUSED:
                 return False  # (a write cut short leaves its .NAME.tmp-PID: nothing of a run either)
         except OSError:
             return False
@@ -495,6 +507,74 @@ def _remove_staged(staged: RunPaths | None, run_dir: Path, run_id: str | None, c
             if RunPaths.existing(run_dir).run_id() == run_id:  # (this process's: a run id is never another's)
                 created.append(run_dir)
     _remove_created(created, run_dir)
+
+
+UNUSED = frozenset({"config.yaml", "run-id", "wandb", LOCK_FILE})
+"""What a new run folder holds before its logs open: nothing of a run (:meth:`RunPaths.remove_unused`,
+:func:`_killed_start`). (Its lock: a run taking its own folder back holds it until the folder is gone.)"""
+
+
+def _killed_start(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is what a ``train`` start-up killed (SIGKILL: no taking back) before its
+    logs opened left: a real folder that holds nothing of a run (:func:`_holds_nothing`) and whose
+    lock nobody holds (a live start-up holds it from before its folder took the name:
+    ``new_run_dir(lock=True)``). Review 54c: such a folder took the name for good."""
+    try:
+        if not stat.S_ISDIR(os.lstat(run_dir).st_mode):
+            return False
+    except OSError:
+        return False
+    return _holds_nothing(run_dir) and RunPaths.existing(run_dir).writer() is None
+
+
+def _holds_nothing(run_dir: Path) -> bool:
+    """Whether the folder ``run_dir`` holds only :data:`UNUSED` names and temporary files of ended
+    processes, with a sign that an ampguard process that ended made it: its lock file (a live
+    ``train`` holds it; one that ended normally removed it) or such a temporary file (an older
+    ampguard's, killed as it wrote ``config.yaml``). A folder without either (an empty one; one a
+    :class:`~ampguard.trainer.Trainer` of the API, which takes no lock, is opening) is not."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return False
+    left = {n for n in names if is_temporary(n) and left_by_an_ended_process(n)}
+    return not set(names) - left - UNUSED and (LOCK_FILE in names or bool(left))
+
+
+def _take_killed_start(run_dir: Path) -> bool:
+    """Remove ``run_dir`` when it is a killed start-up's (:func:`_killed_start`), judged again under
+    its lock (held while it is moved aside, as ``.NAME.tmp-PID-RANDOM`` of this process, and removed),
+    with a warning line naming it; True when the name is free now. Nothing where locks are not kept."""
+    if fcntl is None or not _killed_start(run_dir):
+        return False
+    try:
+        fd = _open_lock(run_dir / LOCK_FILE)
+    except InputError:  # (a link or a folder at the lock's name: not a folder ampguard left)
+        return False
+    if fd is None:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # (held: its start-up lives; or no locks here)
+            return False
+        pid = _pid_in(fd)
+        if not _names(run_dir / LOCK_FILE, fd) or not _holds_nothing(run_dir):  # (judged again, held)
+            return False
+        aside = run_dir.with_name(_temporary_name(run_dir.name))
+        try:
+            os.rename(run_dir, aside)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        os.close(fd)
+    by = f" (pid {pid})" if pid else ""
+    warnings.warn(f"run folder {run_dir} held nothing of a run: a start-up killed before its logs opened{by} "
+                  "left it; it is taken for this run", AmpguardWarning, stacklevel=3)
+    return True
 
 
 ABANDONED = re.compile(r"\..+\.tmp-\d+-[0-9a-f]+")

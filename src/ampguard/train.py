@@ -134,8 +134,9 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
             paths = RunPaths.existing(resume.run_dir)  # config.yaml: rewritten once the logs are open
             paths.lock()  # before anything in it changes: a run still training there refuses the resume
         else:
-            paths = RunPaths.new_run_dir(config, on_made=made.append)
-            paths.lock()
+            # (locked before it takes its name: a folder at it whose lock nobody holds, holding nothing
+            # of a run, is a killed start-up's, which a rerun takes; review 54c)
+            paths = RunPaths.new_run_dir(config, on_made=made.append, lock=True)
         held.append(paths)
         return paths
 
@@ -149,9 +150,10 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
     def take_back() -> None:  # refused or stopped while opening: leave nothing
         if not once.acquire(blocking=False):
             return
-        for paths in held:
-            paths.unlock()
-        if made and made[0].remove_unused():  # (only a folder that holds nothing of a run)
+        removed = bool(made) and made[0].remove_unused()  # (only a folder that holds nothing of a run;
+        for paths in held:  # removed before its lock is let go: a rerun may take a killed start-up's
+            paths.unlock()  # folder whose lock nobody holds, review 54c)
+        if removed:
             print(f"run folder: {made[0].dir} removed (nothing was run)")
 
     every = config.log.every

@@ -1,8 +1,9 @@
 """Review 54c: a new run folder is made under a temporary name beside it and renamed into place once
 its ``config.yaml`` and ``run-id`` are in it (``RunPaths.new_run_dir``): a start-up stopped while it
 writes them leaves nothing at the name, and what a SIGKILL left there (a hidden ``.NAME.tmp-PID-RANDOM``
-folder) is removed by a later start-up once its process has ended. (The kill itself, in a real
-process: tests/e2e/test_startup_kill_review54.py.)"""
+folder) is removed by a later start-up once its process has ended; a folder a kill after the rename
+left holding nothing of a run, its lock held by nobody, is taken by the next run of that name. (The
+kill itself, in a real process: tests/e2e/test_startup_kill_review54.py.)"""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import time
 import pytest
 
 from ampguard.config import validate
-from ampguard.errors import InputError
+from ampguard.errors import AmpguardWarning, InputError
 from ampguard.files import STALE_AFTER_S
-from ampguard.run_folder import RunPaths
+from ampguard.run_folder import LOCK_FILE, RunPaths
 
 
 def _config(runs, name=None):
@@ -69,3 +70,28 @@ def test_what_a_killed_start_up_left_is_removed_once_its_process_ended(tmp_path)
             os.utime(runs / name, (when, when))
     RunPaths.new_run_dir(_config(runs, "d"))
     assert sorted(p.name for p in runs.iterdir()) == sorted([f".b.tmp-{dead}-00ff", f".c.tmp-{os.getpid()}-00ff", "d"])
+
+
+def test_a_folder_a_killed_start_up_left_at_its_name_is_taken_and_no_other(tmp_path):
+    runs = tmp_path / "runs"
+    killed = RunPaths.new_run_dir(_config(runs, "k"), lock=True)  # (its process killed: its lock let go)
+    os.close(killed._lock)
+    killed_id = killed.run_id()
+    (killed.dir / f".config.yaml.tmp-{_ended_pid()}-00ff").write_text("x")  # (an older ampguard's leftover)
+    with pytest.warns(AmpguardWarning, match=f"run folder {killed.dir} held nothing of a run: a start-up killed "):
+        paths = RunPaths.new_run_dir(_config(runs, "k"), lock=True)
+    assert paths.dir == killed.dir and sorted(p.name for p in paths.dir.iterdir()) == [LOCK_FILE, "config.yaml",
+                                                                                        "run-id"]
+    assert paths.run_id() != killed_id and sorted(p.name for p in runs.iterdir()) == ["k"]
+    # its lock held (a start-up that lives), something of a run in it, or nothing ampguard made: refused
+    for name in ("csv", "empty"):
+        (runs / name).mkdir()
+    for name in ("config.yaml", LOCK_FILE, "steps.csv"):
+        (runs / "csv" / name).write_text("step\n")
+    RunPaths.new_run_dir(_config(runs, "api"))  # (the API's Trainer takes no lock: nothing says it ended)
+    for name in ("k", "csv", "empty", "api"):
+        before = sorted(p.name for p in (runs / name).iterdir())
+        with pytest.raises(InputError, match="already exists; choose another log.name"):
+            RunPaths.new_run_dir(_config(runs, name), lock=True)
+        assert sorted(p.name for p in (runs / name).iterdir()) == before
+    paths.unlock()
