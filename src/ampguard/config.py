@@ -523,7 +523,8 @@ class ScheduleConfig(_Section):
     warmup: Count0 = 0
     """Linear warmup length in applied updates (0: none)."""
     decay: Literal["constant", "cosine", "linear"] = "cosine"
-    """Shape of the decay after warmup, down to ``min_lr_ratio * lr`` at the last step."""
+    """Shape of the decay after warmup, down to ``min_lr_ratio * lr`` at update ``steps - 1`` (the
+    last step when none was skipped: a skip holds the schedule)."""
     min_lr_ratio: Rate = 0.1
     """Final learning rate as a fraction of ``optimizer.lr``, in [0, 1]."""
 

@@ -1,7 +1,9 @@
 """The learning-rate schedule of a run, on the host (``LambdaLR``) or on the device (the fast path).
 
 One shape (``schedule``: linear warmup, then constant, cosine or linear decay down to
-``min_lr_ratio`` at the last step), counted in *applied* updates so it holds on a skipped step.
+``min_lr_ratio`` at update ``steps - 1``), counted in *applied* updates so it holds on a skipped
+step: the last step of a run with no skip is at the floor, one with k skips ends k updates short
+of it (review 54c: the README said every run ends at the floor).
 :func:`lr_multiplier` is it as a Python function for ``torch.optim.lr_scheduler.LambdaLR`` (the
 exact path steps that scheduler after each applied update). :class:`DeviceLambdaLR` is the same
 scheduler object for the sync-free step: the step evaluates :meth:`DeviceLambdaLR.device_factor`
@@ -28,8 +30,9 @@ class WarmupPastTheRun(AmpguardWarning):
 
 def lr_multiplier(config: Config) -> Callable[[int], float]:
     """The schedule as a factor of ``optimizer.lr``, a function of applied updates: linear warmup
-    over ``schedule.warmup`` updates, then ``schedule.decay`` down to ``min_lr_ratio`` at the
-    last step.
+    over ``schedule.warmup`` updates, then ``schedule.decay`` down to ``min_lr_ratio`` at update
+    ``steps - 1`` (the last step when none was skipped; held on a skip, a run with k skips ends k
+    updates short of it).
 
     Example::
 

@@ -91,3 +91,24 @@ def test_a_warm_up_longer_than_the_run_is_said(tmp_path):
     with warnings.catch_warnings():  # (warmup == steps: its last step runs at the peak, nothing to say)
         warnings.simplefilter("error", AmpguardWarning)
         run(load({**config.model_dump(mode="json"), "steps": 4}), console_every=1, print_fn=lambda line: None)
+
+
+@pytest.mark.parametrize("on_skip", ["hold", "step"])
+def test_a_run_with_skips_ends_as_many_updates_short_of_the_floor_as_it_skipped(tmp_path, on_skip):
+    # review 54c: the README said the LR reaches min_lr_ratio x lr "at the last step"; a skip holds the
+    # schedule (counted in applied updates), so a run with k skips ends at update steps - 1 - k, above
+    # the floor (what the README says now); scheduler_on_skip=step counts the skips and ends at it
+    import csv
+
+    from ampguard.run_folder import RunPaths
+    from ampguard.train import run
+
+    config = validate({"task": {"name": "linear"}, "steps": 8, "precision": "fp32", "device": "cpu",
+                       "scheduler_on_skip": on_skip, "inject": ["nan_loss@3", "inf_grad@5"]})
+    run(config, outputs=lambda: RunPaths(csv=tmp_path / "steps.csv"), console_every=10**6, print_fn=lambda line: None)
+    with (tmp_path / "steps.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["skipped"] for r in rows].count("1") == 2
+    skips = 2 if on_skip == "hold" else 0
+    assert float(rows[-1]["lr"]) == pytest.approx(config.optimizer.lr * lr_multiplier(config)(config.steps - 1 - skips))
+    assert (float(rows[-1]["lr"]) > config.optimizer.lr * 0.1 * 1.01) == (on_skip == "hold")
