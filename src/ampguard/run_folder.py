@@ -127,7 +127,7 @@ class RunPaths:
         ``on_made`` is told the paths as soon as the folder is at its name (a caller that takes an
         unused folder back after a Ctrl-C knows it even if the signal lands before this returns).
 
-        The folder is made under a temporary name beside it (``.NAME.tmp-PID-RANDOM``), its
+        The folder is made under a temporary name beside it (``.new-run.tmp-PID-RANDOM``), its
         ``config.yaml`` and ``run-id`` written there, and renamed into place only then, onto a name
         that must not exist (:func:`~ampguard.files.rename_onto_nothing`): a process killed in
         between (SIGKILL runs no taking back) leaves no folder at the name. (Review 54c: it made
@@ -175,7 +175,7 @@ class RunPaths:
         try:
             make_parents(run_dir, created)
             _remove_abandoned(run_dir.parent)
-            staging = run_dir.with_name(_temporary_name(run_dir.name))
+            staging = run_dir.with_name(_temporary_name(STAGING))
             try:
                 staging.mkdir()
             except FileNotFoundError:  # a parent another run made, then took back unused, meanwhile
@@ -543,7 +543,7 @@ def _holds_nothing(run_dir: Path) -> bool:
 
 def _take_killed_start(run_dir: Path) -> bool:
     """Remove ``run_dir`` when it is a killed start-up's (:func:`_killed_start`), judged again under
-    its lock (held while it is moved aside, as ``.NAME.tmp-PID-RANDOM`` of this process, and removed),
+    its lock (held while it is moved aside, as ``.new-run.tmp-PID-RANDOM`` of this process, and removed),
     with a warning line naming it; True when the name is free now. Nothing where locks are not kept."""
     if fcntl is None or not _killed_start(run_dir):
         return False
@@ -561,7 +561,7 @@ def _take_killed_start(run_dir: Path) -> bool:
         pid = _pid_in(fd)
         if not _names(run_dir / LOCK_FILE, fd) or not _holds_nothing(run_dir):  # (judged again, held)
             return False
-        aside = run_dir.with_name(_temporary_name(run_dir.name))
+        aside = run_dir.with_name(_temporary_name(STAGING))
         try:
             os.rename(run_dir, aside)
         except FileNotFoundError:
@@ -577,8 +577,10 @@ def _take_killed_start(run_dir: Path) -> bool:
     return True
 
 
-ABANDONED = re.compile(r"\..+\.tmp-\d+-[0-9a-f]+")
-"""The name of a run folder being made (:meth:`RunPaths.new_run_dir`): ``.NAME.tmp-PID-RANDOM``."""
+STAGING = "new-run"
+"""A run folder being made is ``.new-run.tmp-PID-RANDOM`` (:meth:`RunPaths.new_run_dir`), beside it."""
+ABANDONED = re.compile(r"\.new-run\.tmp-\d+-[0-9a-f]+")
+"""The name of a run folder being made, or being removed (:func:`_take_killed_start`)."""
 
 
 def _remove_abandoned(log_dir: Path) -> None:

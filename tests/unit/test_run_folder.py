@@ -120,13 +120,13 @@ def test_a_name_another_run_takes_at_the_same_moment_is_refused_and_its_folder_l
 
 def test_a_log_dir_another_run_takes_back_at_the_same_moment_is_made_again(tmp_path, monkeypatch):
     """A run refused after making ``runs/`` takes it back while empty (``remove_unused``): between
-    this run's look and its ``mkdir`` of ``runs/b`` (since review 54c: of ``runs/.b.tmp-*``, renamed
+    this run's look and its ``mkdir`` of ``runs/b`` (since review 54c: of ``runs/.new-run.tmp-*``, renamed
     to ``runs/b`` once written) it was gone ("No such file or directory")."""
     (tmp_path / "runs").mkdir()  # the other run's, empty
     real_mkdir, taken = Path.mkdir, []
 
     def mkdir(self, *args, **kwargs):
-        if self.parent == tmp_path / "runs" and self.name.startswith(".b.tmp-") and not taken:
+        if self.parent == tmp_path / "runs" and self.name.startswith(".new-run.tmp-") and not taken:
             taken.append((tmp_path / "runs").rmdir())  # the other run takes its folder back
         return real_mkdir(self, *args, **kwargs)
     monkeypatch.setattr(Path, "mkdir", mkdir)

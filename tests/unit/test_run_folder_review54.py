@@ -1,6 +1,6 @@
 """Review 54c: a new run folder is made under a temporary name beside it and renamed into place once
 its ``config.yaml`` and ``run-id`` are in it (``RunPaths.new_run_dir``): a start-up stopped while it
-writes them leaves nothing at the name, and what a SIGKILL left there (a hidden ``.NAME.tmp-PID-RANDOM``
+writes them leaves nothing at the name, and what a SIGKILL left there (a hidden ``.new-run.tmp-PID-RANDOM``
 folder) is removed by a later start-up once its process has ended; a folder a kill after the rename
 left holding nothing of a run, its lock held by nobody, is taken by the next run of that name. (The
 kill itself, in a real process: tests/e2e/test_startup_kill_review54.py.)"""
@@ -59,9 +59,10 @@ def test_what_a_killed_start_up_left_is_removed_once_its_process_ended(tmp_path)
     runs.mkdir()
     dead, old = _ended_pid(), time.time() - STALE_AFTER_S - 60
     left = {
-        f".a.tmp-{dead}-00ff": old,  # a dead process's, long untouched: removed
-        f".b.tmp-{dead}-00ff": None,  # a dead process's, touched now (another machine's, maybe): kept
-        f".c.tmp-{os.getpid()}-00ff": old,  # a running process's: kept
+        f".x.tmp-{dead}-00dd": old,  # not a run folder being made (another tool's): kept
+        f".new-run.tmp-{dead}-00aa": old,  # a dead process's, long untouched: removed
+        f".new-run.tmp-{dead}-00bb": None,  # a dead process's, touched now (another machine's, maybe): kept
+        f".new-run.tmp-{os.getpid()}-00cc": old,  # a running process's: kept
     }
     for name, when in left.items():
         (runs / name).mkdir()
@@ -69,7 +70,7 @@ def test_what_a_killed_start_up_left_is_removed_once_its_process_ended(tmp_path)
         if when is not None:
             os.utime(runs / name, (when, when))
     RunPaths.new_run_dir(_config(runs, "d"))
-    assert sorted(p.name for p in runs.iterdir()) == sorted([f".b.tmp-{dead}-00ff", f".c.tmp-{os.getpid()}-00ff", "d"])
+    assert sorted(p.name for p in runs.iterdir()) == sorted({*left, "d"} - {f".new-run.tmp-{dead}-00aa"})
 
 
 def test_a_folder_a_killed_start_up_left_at_its_name_is_taken_and_no_other(tmp_path):
