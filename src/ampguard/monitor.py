@@ -1679,7 +1679,8 @@ class RunMonitor:
     def clip_rate(self) -> float:
         """Share of the whole run's steps clipped: applied with a pre-clip norm above ``max_norm`` (a
         skipped step is not clipped, whatever its norm; "we clip every
-        step" is a finding): the run card's. Unlike :attr:`skip_rate`, not the rolling window's:
+        step" is a finding; a norm exactly ``max_norm`` is not: the clip's factor
+        ``max_norm / (norm + 1e-6)`` there is PyTorch's epsilon, a scale of 1 - 1e-6, review 54g): the run card's. Unlike :attr:`skip_rate`, not the rolling window's:
         the STATS line and the trackers' ``clip_rate`` are ``clip_window.seen_mean``, the last
         ``window`` steps'.
 
