@@ -213,7 +213,7 @@ def rollback_reach(config: Config, step: int) -> int | None:
         (15, 30, None)
     """
     reach = []
-    if SKIP_GUARD in config.rollback.triggers:  # a failure at the next step: bad from step - fail_after + 1 on
+    if SKIP_GUARD in config.rollback.triggers:  # a failure at this step: bad from step - fail_after + 1 on, back to before it
         reach.append(step - config.monitor.fail_after)
     if VAL_REGRESSION in config.rollback.triggers and config.eval.every > 0:  # (an evaluation at this step too)
         reach.append((step - 1) // config.eval.every * config.eval.every)
