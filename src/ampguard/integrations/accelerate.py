@@ -295,8 +295,9 @@ def _refused(name: str) -> Any:
            "trained the stock way on this accelerator would do the same to the guard's scheduler, through the "
            "gradient state they share: give it a guard of its own, or an Accelerator of its own)"
            if name == "accumulate" else
-           "the guard clips at guard.step() (max_norm=), and this would clip its still-scaled gradients; remove "
-           "the call")
+           "the guard clips at guard.step() (max_norm=), after it has unscaled fp16's gradients and measured the "
+           "pre-clip norm it records; clipping here as well would clip twice (under fp16, gradients still scaled); "
+           "remove the call")
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise ValueError(f"accelerator.{name}() with the guard doing the AMP: {why}")
