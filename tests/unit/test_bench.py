@@ -706,7 +706,10 @@ def test_the_table_and_json_carry_ops_per_step(capsys):
     assert bench.run(models="nano", precisions="bf16", quick=True, peers=False, as_json=True) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     assert [r["workload"] for r in rows] == ["nano-mlp", "nano-mlp"]
-    assert rows[1]["ops"] - rows[0]["ops"] in range(1, 4)
+    assert all(r["ops"] > 0 for r in rows)
+    # the exact path adds no op over the bare loop on a clipping step since its clip factor is the
+    # host's (review 54f; it added 3 before), and never more than the 3 it had
+    assert rows[1]["ops"] - rows[0]["ops"] in range(0, 4)
 
 
 @pytest.mark.parametrize("batch", [None, 3])
