@@ -798,7 +798,8 @@ def test_with_two_optimizers_the_csv_names_each_rows_optimizer_and_a_resume_appe
 def test_resume_from_a_checkpoint_without_ampguard_state_goes_on_from_its_global_step(tmp_path):
     """A plain Lightning fit's checkpoint (no AmpGuardPlugin state), resumed with the plugin: the
     steps go on from its global_step as Lightning's do (they restarted at 1), with one warning
-    that the scale starts afresh and the monitor observes from step 4; the CSV is a resume's (it was refused as
+    that the scale goes on from Lightning's GradScaler state (review 54m: it started afresh; here
+    65536 and 3 clean steps) and the monitor observes from step 4; the CSV is a resume's (it was refused as
     existing on a second try from the same checkpoint): cut after that step, then appended."""
     path = tmp_path / "steps.csv"
     plain = fit(Digits(hidden=8), MixedPrecision("16-mixed", "cpu"), steps=3, gradient_clip_val=1.0)
@@ -807,8 +808,8 @@ def test_resume_from_a_checkpoint_without_ampguard_state_goes_on_from_its_global
         plugin = AmpGuardPlugin("16-mixed", csv=path)
         with pytest.warns(UserWarning, match=(
                 r"^AmpGuardPlugin: plain\.ckpt holds no ampguard state \(saved without the plugin\): steps go on "
-                r"from its global_step 3; the loss scale starts again at init_scale and the skip-rate monitor "
-                r"observes from step 4$")):
+                r"from its global_step 3; the loss scale takes over its GradScaler's scale 65536 and growth "
+                r"tracker 3 \(Lightning's 'MixedPrecision' state\) and the skip-rate monitor observes from step 4$")):
             trainer = fit(Digits(hidden=8), plugin, steps=6, ckpt_path=tmp_path / "plain.ckpt")
         assert [r.step for r in plugin.records] == [4, 5, 6] and plugin.guard.steps == trainer.global_step == 6
         assert [r["step"] for r in rows(path)] == ["4", "5", "6"]

@@ -168,7 +168,9 @@ class AmpGuardPlugin(_LightningPrecision):
 
     A resume (``fit(ckpt_path=...)``) restores the guard's state from the checkpoint; a checkpoint
     without it (saved by a fit without the plugin) goes on numbering steps from its
-    ``global_step``, with a warning that the loss scale and the monitor start afresh. A tuner's
+    ``global_step``, with a warning that the monitor starts afresh, and the loss scale too unless
+    Lightning's own fp16 ``MixedPrecision`` saved its GradScaler's there (taken over:
+    :meth:`on_load_checkpoint`). A tuner's
     sweep (``lr_find``, ``scale_batch_size``: a ``Tuner``'s, or its callback in the fit) is
     guarded but recorded nowhere, and the guard goes back with the model the tuner restores.
 
@@ -251,6 +253,9 @@ class AmpGuardPlugin(_LightningPrecision):
         self._autocast: Precision | None = None
         self._sinks: list[Sink] | None = None
         self._loaded: dict[str, Any] | None = None
+        # the GradScaler state of Lightning's own MixedPrecision in a resumed checkpoint without ampguard's
+        # scale (on_load_checkpoint): (its key, the state, checked; None: unused, this fit has no loss scaler)
+        self._stock: tuple[str, dict[str, Any] | None] | None = None
         # the Trainer's accumulate_grad_batches as the fit began: what the guard's state saves (a
         # GradientAccumulationScheduler changes the Trainer's per epoch; each group takes that one)
         self._accumulation = 1
@@ -317,7 +322,7 @@ class AmpGuardPlugin(_LightningPrecision):
             self.guard, self.monitor, self.stop_reason, self.autocast_dtypes = None, None, None, None
             self.records.clear()
             self._loaded, self._hold, self._resumed_at, self._held_batches = None, False, None, None
-            self._own_backward = None
+            self._own_backward, self._stock = None, None
             if isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
                 rank_zero_warn(f"AmpGuardPlugin under {type(trainer.strategy).__name__}, whose processes are "
                                f"started by {trainer.strategy.launcher._start_method}: the guard runs in them, "
@@ -439,8 +444,10 @@ class AmpGuardPlugin(_LightningPrecision):
         state saves and a resume compares); :meth:`backward` sets each group's own. A resume from
         a checkpoint without ampguard's state (a fit without the plugin) goes on from its
         ``global_step``, as :class:`~ampguard.integrations.transformers.GuardedTrainer` does:
-        the records' steps are Lightning's, the scale starts afresh and the monitor observes from
-        the next step (:meth:`~ampguard.monitor.RunMonitor.begin_at`; warned)."""
+        the records' steps are Lightning's, the scale goes on from the stock ``MixedPrecision``'s
+        GradScaler state the checkpoint holds (:meth:`_take_over_stock_scale`) or starts afresh,
+        and the monitor observes from the next step (:meth:`~ampguard.monitor.RunMonitor.begin_at`;
+        warned)."""
         trainer = module.trainer
         optimizers = trainer.optimizers
         if len(optimizers) == 1:
@@ -448,6 +455,9 @@ class AmpGuardPlugin(_LightningPrecision):
         device = next(module.parameters()).device
         precision = self._autocast or Precision(self.name, device.type)
         scaler = precision.make_scaler(**self.scaler_settings)
+        # (review 54m: a stock fp16 checkpoint's scale was thrown away; taken before the monitor is made, whose
+        # scale health starts from the scale the fit goes on with)
+        taken = self._take_over_stock_scale(scaler) if not self._loaded else None
         guard = Guard(module, optimizers, precision=precision, max_norm=self.max_norm,
                       accumulation_steps=self._accumulation, scaler=scaler, frozen=self.frozen)
         # (review 53i: a crash here ended with "the next guard.backward() begins a new step", the note
@@ -473,7 +483,7 @@ class AmpGuardPlugin(_LightningPrecision):
             # it saw; it took the earlier ones as seen, and two all-skipped steps after step 38 were 2/40)
             monitor.begin_at(trainer.global_step)
             if trainer.global_step:
-                scale = "the loss scale starts again at init_scale and " if scaler.is_enabled() else ""
+                scale = taken or ("the loss scale starts again at init_scale and " if scaler.is_enabled() else "")
                 rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
                                f"without the plugin): steps go on from its global_step {trainer.global_step}; "
                                f"{scale}the skip-rate monitor observes from step {trainer.global_step + 1}",
@@ -487,6 +497,39 @@ class AmpGuardPlugin(_LightningPrecision):
             self._held_batches = (trainer.fit_loop.epoch_loop.batch_idx, 0)
         self._hook_schedulers(module)
         return guard
+
+    def _take_over_stock_scale(self, scaler: GuardedGradScaler) -> str | None:
+        """Load the scale and the growth tracker of the stock ``MixedPrecision``'s GradScaler state
+        a resumed checkpoint held (:meth:`on_load_checkpoint`) into the guard's new ``scaler``, and
+        say so: the clause the resume's warning gives (``None``: there was none). This plugin's
+        settings (growth and backoff factors, growth interval, floor) are kept, the ones given
+        here, and named where the checkpoint's differ. A count of clean steps at or past this
+        ``growth_interval`` restarts at 0 (PyTorch grows the scale only when the count reaches the
+        interval: it would never grow); a scale below the floor is raised to it."""
+        if self._stock is None:
+            return None
+        key, state = self._stock
+        self._stock = None  # (the guard's scaler holds it now: a save takes it from there)
+        if state is None or not scaler.is_enabled():
+            shown = {v: k for k, v in _NAMES.items() if "-" in k}[self.name]
+            return f"its {key} loss scale is not used (this fit is {shown}, with no loss scaler); "
+        mine = scaler.state_dict()
+        interval, tracker = mine["growth_interval"], state["_growth_tracker"]
+        kept = tracker if tracker < interval else 0
+        scaler.load_state_dict({**mine, "scale": state["scale"], "_growth_tracker": kept})
+        said = f"the loss scale takes over its GradScaler's scale {scaler.get_scale():g}"
+        if scaler.get_scale() != float(state["scale"]):
+            said += f" (the checkpoint's {state['scale']:g} raised to min_scale {scaler.get_min_scale():g})"
+        said += f" and growth tracker {kept}"
+        if kept != tracker:
+            said += (f" (the checkpoint's {tracker} clean steps reach this plugin's growth_interval {interval}: "
+                     f"the count restarts at 0)")
+        said += f" (Lightning's {key!r} state"
+        differ = [f"{name} {mine[name]:g}, the checkpoint's {state[name]:g}" for name in _SCALER_SETTINGS
+                  if float(state[name]) != float(mine[name])]
+        if differ:
+            said += f"; this plugin's scaler settings kept ({'; '.join(differ)})"
+        return said + ") and "
 
     def _open_sinks(self, trainer: pl.Trainer) -> list[Sink]:
         sinks: list[Sink] = []
@@ -927,6 +970,52 @@ class AmpGuardPlugin(_LightningPrecision):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning hands the plugin the whole checkpoint before :meth:`load_state_dict`. Review 54m:
+        a checkpoint saved by Lightning's own fp16 ``MixedPrecision`` holds its GradScaler's
+        ``state_dict()`` under ``"MixedPrecision"`` (``"native_amp_scaling_state"`` in Lightning 1.x,
+        which Lightning hands to any ``MixedPrecision``'s ``load_state_dict``, this plugin's too: taken
+        out here), and a resume with the plugin threw that scale away, restarting at ``init_scale``
+        (a run whose scale had settled low skipped its first steps again). Where the checkpoint's
+        ampguard state holds no scale (none, or saved before its fit's first step), that state is
+        checked here with the scaler's own :meth:`~ampguard.precision.GuardedGradScaler.check_state`,
+        before any step: one that is not a GradScaler's is refused (``ValueError`` naming the field);
+        :meth:`_setup` takes its scale and growth tracker over. Outside a fit, left alone."""
+        legacy = checkpoint.pop(_LEGACY_SCALER_KEY, None)
+        _LightningPrecision.on_load_checkpoint(self, checkpoint)
+        if self._fitting is None:
+            return
+        self._stock = None
+        key = _STOCK_SCALER_KEY if _STOCK_SCALER_KEY in checkpoint else _LEGACY_SCALER_KEY
+        state = checkpoint.get(_STOCK_SCALER_KEY, legacy)
+        own = checkpoint.get(type(self).__qualname__)
+        if state is None or (isinstance(own, dict) and not own.get(_BEFORE_FIRST_STEP)):
+            return  # (ampguard's own state holds the scale: the guard loads it)
+        if not loss_scaler_runs(self.name, self.scaler_settings.get("enabled")):
+            self._stock = (key, None)  # (said at the first step: this fit has no scale to take it)
+            return
+        try:
+            GuardedGradScaler("cpu").check_state(state)
+        except ValueError as err:
+            trainer = self._end_refused_fit()
+            where = Path(trainer.ckpt_path).name if trainer is not None and trainer.ckpt_path else "the checkpoint"
+            raise ValueError(f"AmpGuardPlugin: the GradScaler state under {key!r} in {where} cannot be taken over: "
+                             f"{err}; fix or delete that entry (the loss scale then starts at init_scale), or start "
+                             f"a new fit without ckpt_path") from None
+        self._stock = (key, dict(state))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Review 54m, the other way: Lightning's own ``MixedPrecision`` resuming this plugin's
+        checkpoint looks for its scaler under ``"MixedPrecision"`` only, found none, and restarted
+        at ``init_scale``. The fp16 scale is also saved there, in GradScaler's own shape (no
+        ``min_scale``), from the state :meth:`state_dict` gave (or a stock state not yet taken
+        over); a resume with the plugin loads its own state and leaves that entry."""
+        own = checkpoint.get(type(self).__qualname__) or {}
+        state = own.get("scaler") or (self._stock[1] if self._stock is not None else None)
+        if state:
+            checkpoint[_STOCK_SCALER_KEY] = {name: state[name] for name in _GRADSCALER_KEYS}
+        _LightningPrecision.on_save_checkpoint(self, checkpoint)
+
     def state_dict(self) -> dict[str, Any]:
         """The guard's state (scaler, step and update counters, the monitor), once it exists, and
         :attr:`autocast_dtypes` once noted (a record kept with the checkpoint, not compared on a resume)."""
@@ -968,6 +1057,14 @@ class AmpGuardPlugin(_LightningPrecision):
         if self._loaded.pop(_BEFORE_FIRST_STEP, False):
             self._loaded = None  # (the guard starts afresh)
 
+    def _end_refused_fit(self) -> pl.Trainer | None:
+        """The fit a checkpoint's refusal ends (returned): no longer this plugin's, its CSV and
+        sinks left to the next fit (as for the plugin's other refusals)."""
+        trainer, self._fitting = self._fitting, None
+        if self.csv is not None:
+            self._csv_fits.discard(os.path.abspath(self.csv))
+        return trainer
+
     def _refuse_a_change(self, state: dict[str, Any]) -> None:
         """A resume whose checkpoint was saved under another precision or ``accumulate_grad_batches``
         is refused as Lightning restores it, before any step (it failed at the first backward, a
@@ -979,9 +1076,7 @@ class AmpGuardPlugin(_LightningPrecision):
         changed = [key for key in saved if saved[key] is not None and saved[key] != mine[key]]
         if not changed:
             return
-        trainer, self._fitting = self._fitting, None
-        if self.csv is not None:
-            self._csv_fits.discard(os.path.abspath(self.csv))
+        trainer = self._end_refused_fit()
         key = changed[0]
         shown = {v: k for k, v in _NAMES.items() if "-" in k} if key == "precision" else {}
         where = Path(trainer.ckpt_path).name if trainer is not None and trainer.ckpt_path else "the checkpoint"
@@ -1006,12 +1101,6 @@ class _AlsoMixedPrecision(_LightningMixedPrecision):
 
     def autocast_context_manager(self) -> contextlib.AbstractContextManager:
         return self.forward_context()  # type: ignore[attr-defined]
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # a Lightning 1.x checkpoint's "native_amp_scaling_state" is handed to any MixedPrecision:
-        # it is Lightning's scaler, not the guard's state; ignored, as it is for "32-true"
-        checkpoint.pop("native_amp_scaling_state", None)
-        super().on_load_checkpoint(checkpoint)
 
 
 @functools.cache
@@ -1074,6 +1163,16 @@ def _loggers_write_now(trainer: pl.Trainer) -> bool:
 
 _BEFORE_FIRST_STEP = "before_first_step"
 """The state a checkpoint saved before the fit's first step holds (:meth:`AmpGuardPlugin.state_dict`)."""
+
+_STOCK_SCALER_KEY = "MixedPrecision"
+"""Where Lightning's own ``MixedPrecision`` saves its GradScaler's ``state_dict()`` in a checkpoint
+(its class's ``__qualname__``), and looks for it on a resume."""
+_LEGACY_SCALER_KEY = "native_amp_scaling_state"
+"""The same state in a Lightning 1.x checkpoint."""
+_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+"""``torch.amp.GradScaler.state_dict()``'s keys."""
+_SCALER_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval")
+"""The GradScaler settings a stock state carries besides its scale and growth tracker."""
 
 _TUNERS = (LearningRateFinder, BatchSizeFinder)
 """Lightning's tuner callbacks (``Tuner.lr_find``, ``Tuner.scale_batch_size``, or given as
