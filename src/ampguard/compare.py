@@ -335,7 +335,8 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
                        f"{run.name}: max_norm", color=colour, ls="--", lw=1)
         xs, ys = finite_points(rows, [r.scaler_scale for r in rows], positive=True)
         ax_scale.step(xs, [math.log2(v) for v in ys], where="post", lw=1.2, color=colour, label=run.name, **dots(xs))
-        rates = rolling_skip_rate(rows, run.config.monitor.window, run.rollbacks)
+        rates = rolling_skip_rate(rows, run.config.monitor.window, run.rollbacks, run.config.monitor.min_steps,
+                                  run.policy)  # (review 54k: a rollback's young window, as the run judged it)
         top_rate = max(top_rate, *rates)
         ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
                      label=f"{run.name} (window {run.config.monitor.window})", **dots(rows))

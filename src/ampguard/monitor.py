@@ -1192,10 +1192,16 @@ class RunMonitor:
             self._follow_opening(record, ran_with)
         rate, over = self._judged()
         self._push_rate(rate)
-        if self.restarted_by_skip_guard and not (self.fail_rate is not None and rate > self.fail_rate):
+        # review 54k: a young window a rollback restarted counts its k skips over min(min_steps, window)
+        # steps, what it reads once it holds them if no other skip comes: the end's judgement (at_end) has
+        # no later step to wait for, and counts what its steps held, k of n, as it judges a run shorter
+        # than min_steps whole (the young count alone, 4 skips in the 4 steps of a short run with a
+        # rollback read 1/8 and 2/8 and the run ended "finished")
+        held = self._judged(young=False)[0] if self._young_after_restart() else rate
+        if self.restarted_by_skip_guard and not (self.fail_rate is not None and held > self.fail_rate):
             self.restarted_by_skip_guard = False  # (the skip guard's trouble cleared: a step at or below fail_rate)
         if self.opening <= opening:  # (a step of the opening search is set aside: judged 0, not at the end)
-            self.min_judged_rate = min(self.min_judged_rate, rate)
+            self.min_judged_rate = min(self.min_judged_rate, held)
         self.max_skip_rate = max(self.max_skip_rate, rate)
         self.max_rolling_skip_rate = max(self.max_rolling_skip_rate, self.skip_rate)
         return self._events(record.step, rate, over, scale, bool(record.skipped),
@@ -1234,7 +1240,7 @@ class RunMonitor:
         # the steps judged since the window (re)started, this one aside, each skipped (the rates an
         # older state kept may be fewer: all of them are known now)
         n = min(self.skip_window.count, self.observed) - 1
-        self._runs = [(1.0, n)] if n > 0 else []
+        self._runs = self._skipped_runs(n) if n > 0 else []
         self.above_fail = 0 if self.fail_rate is None else self._steps_above(self.fail_rate)
 
     def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool, overflowed: bool,
@@ -1309,7 +1315,9 @@ class RunMonitor:
         - with ``fail_rate``, a run shorter than ``fail_after`` whose rolling rate was above it at
           every step fails (cause :data:`FAIL_SKIP_RATE`): the whole run is the evidence (its
           lowest judged rate, :attr:`min_judged_rate`, is above it; a step after a rollback
-          judges its fresh window, and the steps before it count as they were judged).
+          judges its fresh window, by what it held: the k skips of its n steps, not over the
+          ``min(min_steps, window)`` steps the rolling rules wait for, as a run shorter than
+          ``min_steps`` is judged whole; the steps before it count as they were judged).
         - a run whose opening search never ended (every step an fp16 gradient overflow, the floor
           not reached yet: a short run, or a high ``init_scale``; or overflows, then non-finite
           losses) applied no update: the search found no scale, so nothing is set aside and the
@@ -1372,8 +1380,10 @@ class RunMonitor:
                 f"(it ended before fail_after {self.fail_after} consecutive steps)"), data, cause=FAIL_SKIP_RATE)
             events.append(self.failed)
         since = sum(steps for _, steps in self._runs)  # (the steps since the window restarted: the rollback's)
-        if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard \
-                and since < self.fail_after and self._steps_above(self.fail_rate) == since:
+        # (review 54k: the trouble not cleared, every step since above fail_rate as the steps held it, and no
+        # failure: the fail-fast had too few steps to count fail_after again, or counted the young window's
+        # skips over min(min_steps, window) steps and had not reached fail_after yet)
+        if self.failed is None and self.fail_rate is not None and self.restarted_by_skip_guard:
             # review 53l: the skip guard's rollback restarts the count it tripped on; a run that ended
             # before the count reached fail_after again, every step since the rollback above fail_rate,
             # ended "finished", exit 0 (the same data without the rollback: exit 3); review 53m: none
@@ -1381,9 +1391,13 @@ class RunMonitor:
             # spike's rollback alone is no failure taken back: a streak after it is judged as any run's
             # last steps are
             if since:
+                young = self._young_after_restart() if self._steps_above(self.fail_rate) < since else 0
                 why = (f"skip rate above fail_rate {self.fail_rate:g} at every one of the {counted(since, 'step')} "
-                       f"since the rollback at step {self.steps - since} (the run ended before fail_after "
-                       f"{self.fail_after} consecutive steps)")
+                       f"since the rollback at step {self.steps - since}" + (
+                           f", counted over the steps the window held (the fail-fast counts a fresh window's skips "
+                           f"over {young} steps until it holds them; the run ended before fail_after "
+                           f"{self.fail_after} consecutive steps above it)" if young else
+                           f" (the run ended before fail_after {self.fail_after} consecutive steps)"))
                 data = {"skip_rate": self.skip_rate, "window": self.window}
             else:  # (data: the run's rate; the window the rollback emptied holds none, review 53o)
                 why = (f"the run ended right after a rollback at its last step, {self.steps}, the skip-rate guard's "
@@ -1478,9 +1492,10 @@ class RunMonitor:
         """Forget the rolling skip window (after a rollback): the run starts its judging afresh
         (the fail-fast counters restart at 0, and the judged rates kept for a new ``fail_rate``
         are forgotten). The ALERT stays armed (:attr:`alert_armed`: the run's steps) and an
-        ALERT up stays up: until the new window holds ``min(min_steps, window)`` steps it is
-        judged as :meth:`_alert_judged` says (k skips over that many steps, not k of the few
-        seen), and it clears only then.
+        ALERT up stays up: until the new window holds ``min(min_steps, window)`` steps every
+        guard judges it as :meth:`_alert_judged` says (k skips over that many steps, not k of the
+        few seen: the fail-fast, :attr:`skip_rate`, the max rates; review 54k), and the ALERT
+        clears only then; the end's judgement counts what it held (:meth:`at_end`).
 
         Example::
 
@@ -1552,12 +1567,15 @@ class RunMonitor:
 
     def _alert_judged(self, rate: float, over: str) -> tuple[float, str, int]:
         """The rate the ALERT judges, its words, and the steps a restarted window waits for
-        (0: none; see :meth:`_young_after_restart`). The judged rate (:attr:`judged_skip_rate`),
-        but in a window a rollback restarted that holds n < ``min(min_steps, window)`` steps,
-        its k skips over that many steps, what the window reads once it holds them if no other
-        skip comes: k of the first n steps after a rollback read k/n as they do from step 1 (the
-        reason for ``min_steps``), so one skip just after a rollback is no ALERT, while a rate
-        the window is sure to be above pages as soon as it is sure, not ``min_steps`` later.
+        (0: none; see :meth:`_young_after_restart`): the judged rate (:attr:`judged_skip_rate`),
+        which in a window a rollback restarted that holds n < ``min(min_steps, window)`` steps
+        counts its k skips over that many steps, what the window reads once it holds them if no
+        other skip comes: k of the first n steps after a rollback read k/n as they do from step 1
+        (the reason for ``min_steps``), so one skip just after a rollback is no ALERT, while a rate
+        the window is sure to be above pages as soon as it is sure, not ``min_steps`` later. (Review
+        54k: that count was the ALERT's alone; the fail-fast, the max rate on the card and the STATS
+        line read 1 of 1, and one skip after a spike's rollback failed a healthy run. It is the
+        judged rate's now, and :attr:`skip_rate`'s: every guard reads one rate.)
 
         Example (a rollback after step 100; then a skip every other step)::
 
@@ -1573,22 +1591,19 @@ class RunMonitor:
             >>> m.restart_windows()
             >>> [(s, e.kind) for s in range(101, 131) for e in m.observe(record(s, s % 2 == 0))]
             [(112, 'skip_rate_alert')]
-            >>> print(m._alert_judged(m.judged_skip_rate, "")[1])
+            >>> print(m._judged()[1])
             counting the 15 skips in the 30 steps since the window restarted after step 100 (a rollback) over 100 steps: what it reads once it holds them
         """
-        settle = self._young_after_restart()
-        if not settle:
-            return rate, over, 0
-        held, skips = self.skip_window.held, round(self.skip_window.total)
-        return skips / settle, (
-            f"counting the {counted(skips, 'skip')} in the {counted(held, 'step')} since the window restarted after "
-            f"step {self.steps - held} (a rollback) over {settle} steps: what it reads once it holds them"), settle
+        return rate, over, self._young_after_restart()
 
     @property
     def skip_rate(self) -> float:
         """Skips in the last ``window`` steps over the steps the window holds (all steps so far
-        while fewer than ``window``); 0.0 before the first step. (The rolling rate; the whole
-        run's skips are :attr:`skips`, and :attr:`clip_rate` is the whole run's.)
+        while fewer than ``window``); 0.0 before the first step. A window a rollback restarted
+        (:meth:`restart_windows`) counts its skips over ``min(min_steps, window)`` steps until it
+        holds that many (:meth:`_young_after_restart`; review 54k: one skip right after a rollback
+        is 1/100, not 1 of 1, on the STATS line and the card's max as for the guards). (The rolling
+        rate; the whole run's skips are :attr:`skips`, and :attr:`clip_rate` is the whole run's.)
 
         Example::
 
@@ -1599,8 +1614,13 @@ class RunMonitor:
             ...                           grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_grad"))
             >>> m.skip_rate  # 25 skips in 25 steps, not 25/1000
             1.0
+            >>> m.restart_windows(); _ = m.observe(SkipLog(step=26, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"),
+            ...                                         grad_l2_post_clip=None, scaler_scale=1.0, reason="non_finite_grad"))
+            >>> m.skip_rate  # after a rollback: 1 skip over min_steps 100
+            0.01
         """
-        return self.skip_window.seen_mean
+        held = self.skip_window.held
+        return round(self.skip_window.total) / max(held, self._young_after_restart()) if held else 0.0
 
     @property
     def judged_skip_rate(self) -> float:
@@ -1634,10 +1654,18 @@ class RunMonitor:
         """
         return self._judged()[0]
 
-    def _judged(self) -> tuple[float, str]:
-        """:attr:`judged_skip_rate` and the words for what it counted (an event's "over the last ...")."""
+    def _judged(self, young: bool = True) -> tuple[float, str]:
+        """:attr:`judged_skip_rate` and the words for what it counted (an event's "over the last ...");
+        ``young`` False: a young window a rollback restarted counted over the steps it holds, as the
+        end's judgement counts it (:meth:`observe`)."""
         held, skips = self.skip_window.held, round(self.skip_window.total)
         opening = self._opening_in_window()
+        if young and (settle := self._young_after_restart()):  # (review 54k: every guard's, not the ALERT's alone)
+            aside = f" (the scaler's opening {counted(opening, 'skip')} set aside)" if opening else ""
+            return (skips - opening) / settle, (
+                f"counting the {counted(skips - opening, 'skip')} in the {counted(held, 'step')} since the window "
+                f"restarted after step {self.steps - held} (a rollback) over {settle} steps{aside}: what it reads "
+                "once it holds them")
         if not opening:
             return (skips / held if held else 0.0), f"over the last {counted(held, 'step')}"
         aside = f"(the scaler's opening {counted(opening, 'skip')} set aside)"
@@ -1930,7 +1958,16 @@ class RunMonitor:
         judged 0 (the window held only its skips), each other 1.0 (no step applied)."""
         held = min(self.skip_window.count, self.observed)  # (the steps since the window started)
         opening = max(0, min(self.opening - (self.observed - held), held))  # (the first ones observed)
-        return [(rate, steps) for rate, steps in ((0.0, opening), (1.0, held - opening)) if steps]
+        return self._skipped_runs(held, opening)
+
+    def _skipped_runs(self, held: int, opening: int = 0) -> list[tuple[float, int]]:
+        """The judged rates, as runs, of the first ``held`` steps since the window started, each
+        skipped, the first ``opening`` of them the opening search's (0): 1.0 each, but in a window
+        a rollback restarted the j-th reads j/min(min_steps, window) until it holds that many
+        (review 54k: the young window's count, :meth:`_young_after_restart`)."""
+        settle = min(self.min_steps, self.window) if self.skip_window.count < self.observed else 0
+        young = [(j / settle, 1) for j in range(opening + 1, min(held + 1, settle))]
+        return [(rate, steps) for rate, steps in ((0.0, opening), *young, (1.0, held - opening - len(young))) if steps]
 
     def _older_min_judged_rate(self, state: dict[str, Any]) -> float:
         """:attr:`min_judged_rate` of a state saved before it was kept (called once its scalars
@@ -2016,7 +2053,13 @@ class RunMonitor:
         if "min_judged_rate" in state:
             rate = state["min_judged_rate"]
             _need(finite_number(rate) and 0 <= rate <= 1, f"{where}min_judged_rate", rate, "a number in [0, 1]")
-            if scalars["steps"] - scalars["unobserved"] > scalars["opening"]:  # (a step judged: the lowest is one of them)
+            window = state.get("skip_window")
+            count = window.get("count") if isinstance(window, dict) else None
+            judged = scalars["steps"] - scalars["unobserved"]
+            # (a step judged, the window never restarted: the lowest is one of them. After a rollback the end's
+            # lowest counts a young window's steps by what they held, k of n, above the k/min(min_steps,
+            # window) the guards judged them at: review 54k)
+            if judged > scalars["opening"] and whole_number(count) and count >= judged:
                 _need(rate <= scalars["max_skip_rate"], f"{where}min_judged_rate", rate,
                       f"at most max_skip_rate {scalars['max_skip_rate']} (the lowest of the rates judged)")
         reached = state.get("floor_reached")

@@ -24,7 +24,7 @@ from .errors import (ExitCode, InputError, check_folder_of, counted, failed_beca
 from .files import left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
 from .fp8 import in_float8
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
-from .monitor import AT_THE_END, THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
+from .monitor import AT_THE_END, DEFAULT_MIN_STEPS, THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
@@ -304,24 +304,31 @@ def finite_points(rows: list[Row], values: list[float | None], positive: bool = 
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def rolling_skip_rate(rows: list[Row], window: int, rollbacks: Sequence[dict[str, Any]] = ()) -> list[float]:
-    """The rolling skip rate at each row, as the run judged it: over the steps the window holds,
-    the window emptied after the step of each of ``rollbacks`` (:func:`rollbacks_of`), as the
-    run's monitor emptied it (the skips that made a skip-guard rollback are not judged again).
+def rolling_skip_rate(rows: list[Row], window: int, rollbacks: Sequence[dict[str, Any]] = (),
+                      min_steps: int = DEFAULT_MIN_STEPS, policy: Sequence[dict[str, Any]] = ()) -> list[float]:
+    """The rolling skip rate at each row, as the run judged it (:attr:`RunMonitor.skip_rate`):
+    over the steps the window holds, the window emptied after the step of each of ``rollbacks``
+    (:func:`rollbacks_of`), as the run's monitor emptied it (the skips that made a skip-guard
+    rollback are not judged again), and the window so restarted counting its skips over
+    ``min(min_steps, window)`` steps until it holds that many (``min_steps`` as each step ran
+    under it: ``policy``, :func:`policy_changes_of`; review 54k: the plot drew 1 of 1 for one
+    skip after a rollback, the guards 1/min_steps).
 
     Example::
 
-        >>> rows = [Row(s, 0.1, 2.0, 1.0, 0.5, s == 2, "", 1.0) for s in (1, 2, 3, 4)]
+        >>> rows = [Row(s, 0.1, 2.0, 1.0, 0.5, s == 3, "", 1.0) for s in (1, 2, 3, 4)]
         >>> rolling_skip_rate(rows, window=2)
-        [0.0, 0.5, 0.5, 0.0]
-        >>> rolling_skip_rate(rows, window=3, rollbacks=[{"step": 2, "updates_undone": 1}])
-        [0.0, 0.5, 0.0, 0.0]
+        [0.0, 0.0, 0.5, 0.5]
+        >>> rolling_skip_rate(rows, window=10, rollbacks=[{"step": 2, "updates_undone": 1}], min_steps=3)  # (1/3, not 1/1, 1/2)
+        [0.0, 0.0, 0.3333333333333333, 0.3333333333333333]
     """
     restarts = {r["step"] for r in rollbacks}
     win, rates = RollingWindow(window), []
-    for r in rows:
+    for seen, r in enumerate(rows, 1):
         win.push(float(r.skipped))
-        rates.append(win.seen_mean)
+        settle = min(_policy_at(policy, r.step).get("monitor.min_steps", min_steps), window)
+        young = settle if win.count < settle and win.count < seen else 0  # (RunMonitor._young_after_restart)
+        rates.append(round(win.total) / max(win.held, young))
         if r.step in restarts:
             win = RollingWindow(window)
     return rates
@@ -936,6 +943,7 @@ def plot_run(
     window: int = 1000,
     alert_rate: float = 0.05,
     fail_rate: float | None = None,
+    min_steps: int = DEFAULT_MIN_STEPS,
     title: str | None = None,
     headroom: str | Path | None = None,
     alert_bits: float | None = None,
@@ -1014,7 +1022,8 @@ def plot_run(
             warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's overflow notes near the float64 limit)
             shown_title = shown(title or Path(csv_path).name)
             _draw(fig, axes, rows, heat, max_norm=max_norm, window=window, alert_rate=alert_rate,
-                  fail_rate=fail_rate, alert_bits=alert_bits, title=shown_title, init_scale=init_scale,
+                  fail_rate=fail_rate, min_steps=min_steps, alert_bits=alert_bits, title=shown_title,
+                  init_scale=init_scale,
                   scale_floor=scale_floor, policy=policy, rollbacks=rollbacks_of(events_dir) if events_dir else (),
                   restarts=scale_restarts(events_dir, rows, init_scale) if heat and events_dir and scaler_on else None,
                   unobserved=unobserved)
@@ -1067,7 +1076,7 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 
 def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
           alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
-          init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (), rollbacks: Sequence[dict[str, Any]] = (),
+          min_steps: int = DEFAULT_MIN_STEPS, init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (), rollbacks: Sequence[dict[str, Any]] = (),
           restarts: Mapping[int, float] | None = None, scale_floor: float = 1.0, unobserved: int = 0) -> None:
     """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``). The rolling
     skip rate begins after the ``unobserved`` steps (:func:`unobserved_of`), as the run's monitor did."""
@@ -1112,7 +1121,7 @@ def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_
     panel_title(ax_lr, "Learning rate")
 
     observed = [r for r in rows if r.step > unobserved]
-    rates = [math.nan] * (len(rows) - len(observed)) + rolling_skip_rate(observed, window, rollbacks)
+    rates = [math.nan] * (len(rows) - len(observed)) + rolling_skip_rate(observed, window, rollbacks, min_steps, policy)
     ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})",
                  **dots([r.step for r in observed]))  # (one observed step after the unobserved: a dot, not nothing)
     alert_rates = threshold_by_step(steps, "monitor.alert_rate", alert_rate, policy)
@@ -1703,6 +1712,7 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
         if config.log.plot:
             plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
                      alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
+                     min_steps=config.monitor.min_steps,
                      title=f"run {paths.dir.name}" if paths.dir is not None else None,
                      headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                      init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
@@ -1872,7 +1882,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     if plot:
         import_pyplot()
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
-                 alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, title=title, headroom=headroom_beside(csv_path),
+                 alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, min_steps=mon.min_steps, title=title,
+                 headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
                  scale_floor=config.scaler.min_scale, note=lambda line: print(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)

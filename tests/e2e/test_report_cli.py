@@ -499,7 +499,9 @@ def test_report_and_compare_of_a_rolled_back_run_say_what_its_card_says(tmp_path
     cells = [f"{cards[n]['steps attempted']} / {cards[n]['updates applied']}" for n in runs]
     assert re.search(rf"steps / updates\s*\|\s*{cells[0]}\s*\|\s*{cells[1]}\s*\|", table), table
     rates = [f"{float(cards[n]['max rolling skip rate']):.4f}" for n in runs]
-    assert rates == ["0.0000", "1.0000"]
+    # (review 54k: the skip guard tripped at step 43, 24 skips in 43 steps; the windows its rollbacks
+    # restarted count their skips over min_steps 100, not 1 of 1: the card said 1.0000)
+    assert rates == ["0.0000", f"{24 / 43:.4f}"]
     assert re.search(rf"max rolling skip rate\s*\|\s*{rates[0]}\s*\|\s*{rates[1]}\s*\|", table), table
     # resumed from the checkpoint of the rollback's own step (saved after the rollback, which it
     # holds): the rollback is the run's still, not a future the resume abandoned

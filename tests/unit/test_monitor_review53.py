@@ -35,8 +35,12 @@ def test_a_run_that_ends_skipping_every_step_since_a_rollback_fails_at_its_end()
     # ended before the count reached fail_after again: "finished", exit 0, nothing applied since
     m = _run([_skip] * 5, rollback_after=3, steps=5)
     assert m.failed is not None and m.failed.cause == FAIL_SKIP_RATE
+    # (review 54k: the fail-fast counts the young window's skips over min(min_steps, window) 10 steps, 1/10
+    # and 2/10; the end counts what they held, 2 of 2, and says so)
     assert m.failed.message == ("skip rate above fail_rate 0.5 at every one of the 2 steps since the rollback at "
-                                "step 3 (the run ended before fail_after 3 consecutive steps)")
+                                "step 3, counted over the steps the window held (the fail-fast counts a fresh "
+                                "window's skips over 10 steps until it holds them; the run ended before fail_after 3 "
+                                "consecutive steps above it)")
 
 
 def test_the_skip_guards_rollback_is_remembered_by_a_resume_and_a_spikes_is_not_one():
