@@ -1966,7 +1966,7 @@ class RunMonitor:
         a rollback restarted the j-th reads j/min(min_steps, window) until it holds that many
         (review 54k: the young window's count, :meth:`_young_after_restart`)."""
         settle = min(self.min_steps, self.window) if self.skip_window.count < self.observed else 0
-        young = [(j / settle, 1) for j in range(opening + 1, min(held + 1, settle))]
+        young = [((j - opening) / settle, 1) for j in range(opening + 1, min(held + 1, settle))]  # (the opening set aside)
         return [(rate, steps) for rate, steps in ((0.0, opening), *young, (1.0, held - opening - len(young))) if steps]
 
     def _older_min_judged_rate(self, state: dict[str, Any]) -> float:

@@ -131,3 +131,36 @@ def test_the_plots_rolling_rate_is_the_monitors():
         if row.step == 25:
             m.rolled_back(20, None)
     assert rates == seen and max(rates) == 0.1
+
+
+def test_an_older_states_rebuilt_rates_set_the_opening_aside_in_a_restarted_window():
+    """Review 54p: an older state (no ``judged_runs``) of a run that rolled back during the fp16
+    opening search rebuilt its young window's rates as j/min_steps counting the opening's
+    overflows (0.4, 0.5, 0.6 where the live monitor judged 0.1, 0.2, 0.3): a resume that lowered
+    fail_rate counted steps above it that never were."""
+    def overflow(step: int, scale: float) -> SkipLog:
+        return SkipLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
+                       scaler_scale=scale, reason="non_finite_grad")
+
+    def nan_loss(step: int, scale: float) -> SkipLog:
+        return SkipLog(step=step, lr=0.1, loss=float("nan"), grad_l2_pre_clip=None, grad_l2_post_clip=None,
+                       scaler_scale=scale, reason="non_finite_loss")
+
+    settings = dict(window=20, min_steps=10, fail_rate=0.3, fail_after=50, init_scale=2.0**16, min_scale=1.0)
+    live, scale = RunMonitor(**settings), 2.0**16
+    for step in (1, 2):
+        scale /= 2
+        live.observe(overflow(step, scale))
+    live.rolled_back(0, None)
+    for step in (3, 4, 5):
+        scale /= 2
+        live.observe(overflow(step, scale))
+    for step in (6, 7, 8):
+        live.observe(nan_loss(step, scale))
+    state = live.state_dict()
+    del state["judged_runs"], state["min_judged_rate"]
+    older = RunMonitor(**settings)
+    older.load_state_dict(state)
+    assert [rate for rate, _ in older._runs] == [rate for rate, _ in live._runs]
+    assert max(rate for rate, _ in live._runs) == live.judged_skip_rate == 3 / 10  # (the three NaN losses)
+    assert older._steps_above(0.25) == live._steps_above(0.25) == 1
