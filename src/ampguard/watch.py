@@ -464,18 +464,27 @@ def _shed(module: nn.Module, hook: Any, registry: weakref.WeakKeyDictionary[nn.M
     with it, kept for good (nothing held their handles), so a ``torch.save(copy)`` named
     ``ampguard.watch`` and did not load where ampguard is not installed; now the copy's first
     forward sheds them (a copy saved before any forward of its own still names them). Under the
-    lock, checked again: a guard may be taking the module on in another thread. The module gets
-    new hook tables without it, never the old ones edited: a shallow copy (``copy.copy``, the
-    replicas ``nn.DataParallel`` makes) shares them with the original, whose guard still needs its
-    hook (review 54i: a copy's first forward took the original's hooks off)."""
+    lock, checked again: a guard may be taking the module on in another thread. The tables are
+    edited in place (the handles of a user's own hooks on the module point at them: review 54l,
+    new tables left ``handle.remove()`` doing nothing), but where they are a watched module's too
+    (a shallow copy: ``copy.copy``, the replicas ``nn.DataParallel`` makes, share them with the
+    original, whose guard still needs its hook) the module gets new tables without it (review
+    54i: a copy's first forward took the original's hooks off)."""
     with _HOOKS_LOCK:
         if registry.get(module) or (hook is _keep_running_stats and module in _HOOKED):  # (_release's to remove)
             return
         hooks, with_kwargs = module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs
-        shed = {key for key, value in hooks.items() if value is hook}
-        if shed:
+        shed = [key for key, value in hooks.items() if value is hook]
+        if not shed:
+            return
+        watched = [*_PROBING.keys(), *_KEEPING.keys(), *_HOOKED.keys()]
+        if any(other is not module and other._forward_pre_hooks is hooks for other in watched):
             module._forward_pre_hooks = OrderedDict((k, v) for k, v in hooks.items() if k not in shed)
             module._forward_pre_hooks_with_kwargs = OrderedDict((k, v) for k, v in with_kwargs.items() if k not in shed)
+            return
+        for key in shed:
+            del hooks[key]
+            with_kwargs.pop(key, None)
 
 
 def _ours(layer: nn.Module) -> bool:

@@ -134,6 +134,23 @@ def test_a_shallow_copys_forward_leaves_the_originals_hooks(make):
     assert torch.equal(bn.running_mean, before)  # put back by the original's hook
 
 
+def test_a_users_hook_on_a_copy_still_comes_off_after_the_copy_shed_ampguards():
+    """Review 54l: the shed gave every copy new hook tables, and the handle of a hook a user had put
+    on the copy before its first forward pointed at the old ones: ``handle.remove()`` did nothing,
+    the hook kept firing (torchinfo, fvcore and thop register, run a forward and remove)."""
+    model = _bn_model()
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", max_norm=1.0)
+    ema = copy.deepcopy(model)
+    calls = []
+    handle = ema[1].register_forward_pre_hook(lambda module, args: calls.append(1))
+    ema(torch.randn(8, 4))  # (ampguard's hook sheds itself here)
+    assert calls == [1] and _ampguard_hooks(ema) == []
+    handle.remove()
+    ema(torch.randn(8, 4))
+    assert calls == [1] and not ema[1]._forward_pre_hooks
+    assert "1:_keep_running_stats" in _ampguard_hooks(model) and guard.steps == 0
+
+
 def test_a_shallow_copys_forward_leaves_the_autocast_probe_on_the_original():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
