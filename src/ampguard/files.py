@@ -381,8 +381,8 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
             last = not any(isinstance(p, str) and p not in ("", ".", "/") for p in todo)
             if part == "..":
                 inner = os.open("..", _O_PATH | os.O_DIRECTORY | _O_CLOEXEC, dir_fd=fd)
-                os.close(fd)
-                fd, shown_at = inner, shown_at.parent
+                fd, inner, shown_at = inner, fd, shown_at.parent  # (held before the old one closes: below)
+                os.close(inner)
                 continue
             try:
                 seen = os.stat(part, dir_fd=fd, follow_symlinks=False)
@@ -404,8 +404,8 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
                 todo += [_LedTo(at, maker, text), *reversed(Path(text).parts)]
                 if os.path.isabs(text):
                     inner = os.open("/", _O_PATH | os.O_DIRECTORY | _O_CLOEXEC)
-                    os.close(fd)
-                    fd, shown_at = inner, Path("/")
+                    fd, inner, shown_at = inner, fd, Path("/")
+                    os.close(inner)
                 continue
             if last:
                 break
@@ -419,8 +419,8 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
                                       os.fspath(path)) from None
                 err.filename = at
                 raise
-            os.close(fd)
-            fd, shown_at = inner, shown_at / part
+            fd, inner, shown_at = inner, fd, shown_at / part
+            os.close(inner)
         try:  # (the file's own owner judges a link that led to it; one not there yet: its folder's)
             owner = os.stat(part, dir_fd=fd, follow_symlinks=False).st_uid
         except FileNotFoundError:
@@ -432,9 +432,14 @@ def _walked(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[in
             readable = os.open(".", os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC, dir_fd=fd)
         except PermissionError:
             return fd, shown_at / part
-        os.close(fd)
-        return readable, shown_at / part
+        fd, readable = readable, fd
+        os.close(readable)
+        return fd, shown_at / part
     except BaseException:
+        # (review 54l: each move of the walk closed the folder it held, then took the next one into fd; a
+        # stop signal between the two had this close the same number again: "Bad file descriptor" replaced
+        # the interrupt, exit 2 for 130, and with threads another thread's new file could be closed. fd now
+        # holds the next descriptor before the old one is closed: a stop between leaves one open at worst)
         os.close(fd)
         raise
 
