@@ -176,12 +176,14 @@ class RunPaths:
             make_parents(run_dir, created)
             _remove_abandoned(run_dir.parent)
             staging = run_dir.with_name(_temporary_name(STAGING))
+            # (known before it is made: review 54l, a stop signal as mkdir returned left it, and runs/ with it;
+            # its name is this process's alone, PID-RANDOM, so whatever is there is its own)
+            staged = cls(csv=staging / "steps.csv", dir=staging)
             try:
                 staging.mkdir()
             except FileNotFoundError:  # a parent another run made, then took back unused, meanwhile
                 make_parents(run_dir, created)
                 staging.mkdir()
-            staged = cls(csv=staging / "steps.csv", dir=staging)
             if lock:  # (held at its name from its first moment there: never taken for a killed start's)
                 staged.lock()
             staged.write_config(config)
@@ -202,10 +204,12 @@ class RunPaths:
                 on_made(paths)
             handed = True
         except BaseException as err:  # (a stop signal too: what is not handed over yet is taken back here)
-            if not handed:
+            if not handed:  # (removed while still held, then let go: review 54l, let go first, the folder at
+                # its name was a killed start-up's to a same-name start-up, which took it over, and the removal
+                # here, its run id read a moment before, deleted that run's live folder)
+                _remove_staged(staged, run_dir, run_id, created)
                 if staged is not None:
                     staged.unlock()
-                _remove_staged(staged, run_dir, run_id, created)
             if isinstance(err, InputError) or not isinstance(err, (OSError, ValueError, DiskFull)):
                 raise
             err = err.error if isinstance(err, DiskFull) else err  # (replace_atomically names a full disk DiskFull)
