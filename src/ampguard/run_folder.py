@@ -17,6 +17,7 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import stat
 import time
 import uuid
@@ -30,8 +31,8 @@ import torch
 
 from .config import Config, dump_config
 from .errors import AmpguardWarning, ExitCode, InputError, failed_because
-from .files import (STALE_AFTER_S, DiskFull, _temporary_name, is_temporary, left_by_an_ended_process, make_parents,
-                    rename_onto_nothing, replace_atomically)
+from .files import (STALE_AFTER_S, DiskFull, _running, _temporary_name, is_temporary, left_by_an_ended_process,
+                    make_parents, rename_onto_nothing, replace_atomically)
 
 if TYPE_CHECKING:
     from .monitor import RunMonitor
@@ -42,8 +43,8 @@ except ImportError:  # pragma: no cover - not a POSIX system: run folders go unl
     fcntl = None  # type: ignore[assignment]
 
 LOCK_FILE = ".ampguard.lock"
-"""Held (``flock``) by the process that trains in a run folder, with its pid in it; the kernel
-lets go of it when that process ends, however it ends."""
+"""Held (``flock``) by the process that trains in a run folder, with its pid and its host's name
+in it (``PID HOST``); the kernel lets go of it when that process ends, however it ends."""
 
 LOCK_PATIENCE_S = 0.15
 """How long :meth:`RunPaths.lock` tries again before it refuses: a reader's look at the lock
@@ -138,7 +139,8 @@ class RunPaths:
         ``lock``: the folder is locked (:meth:`lock`) before it is renamed into place, so it is
         held at its name for as long as its process lives; a folder at the name that holds
         nothing of a run (:func:`_killed_start`: a start-up killed after the rename, before its
-        logs opened) and whose lock nobody holds is taken, with a warning line.
+        logs opened), whose lock nobody holds and names a process of this host that runs no more,
+        is taken, with a warning line.
 
         Example (``log.dir`` under a file: nothing is left behind)::
 
@@ -274,7 +276,7 @@ class RunPaths:
             time.sleep(0.001)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode("utf-8", "surrogateescape"))
         self._lock = fd
 
     def _busy(self, pid: str | None) -> InputError:
@@ -496,8 +498,25 @@ def _names(path: Path, fd: int) -> bool:
 
 def _pid_in(fd: int) -> str | None:
     """The pid a lock file's holder wrote in it (:meth:`RunPaths.lock`), or None when it holds none."""
-    pid = os.read(fd, 32).decode("ascii", "replace").strip()
-    return pid if pid.isdigit() else None
+    return _holder_in(fd)[0]
+
+
+def _holder_in(fd: int) -> tuple[str | None, str | None]:
+    """The pid and the host's name a lock file's holder wrote in it (:meth:`RunPaths.lock`: ``PID
+    HOST``; an older ampguard's, the pid alone: no host), each None where it holds none."""
+    words = os.pread(fd, 512, 0).decode("utf-8", "surrogateescape").partition("\n")[0].split(maxsplit=1)
+    pid = words[0] if words and words[0].isdigit() else None
+    return pid, (words[1] if pid is not None and len(words) > 1 else None)
+
+
+def _ended_here(fd: int) -> bool:
+    """Whether the lock file open at ``fd`` names a process of this host that runs no more: what
+    says its holder ended where ``flock`` cannot (review 54l: some shared file systems keep each
+    machine's locks to itself, Lustre ``localflock``, NFS ``local_lock``; a start-up on another
+    machine shows no holder here, and its live folder was taken). A host's name is taken to be
+    its own among the machines that share a ``log.dir``."""
+    pid, host = _holder_in(fd)
+    return pid is not None and host == socket.gethostname() and not _running(pid)
 
 
 def _remove_staged(staged: RunPaths | None, run_dir: Path, run_id: str | None, created: list[Path]) -> None:
@@ -520,35 +539,60 @@ UNUSED = frozenset({"config.yaml", "run-id", "wandb", LOCK_FILE})
 
 def _killed_start(run_dir: Path) -> bool:
     """Whether ``run_dir`` is what a ``train`` start-up killed (SIGKILL: no taking back) before its
-    logs opened left: a real folder that holds nothing of a run (:func:`_holds_nothing`) and whose
-    lock nobody holds (a live start-up holds it from before its folder took the name:
-    ``new_run_dir(lock=True)``). Review 54c: such a folder took the name for good."""
+    logs opened left: a real folder of this user's (review 54l: another user's was taken where
+    its lock file could be opened, by root or a shared group, as :func:`_remove_abandoned` never
+    does) that holds nothing of a run (:func:`_holds_nothing`), whose lock nobody holds (a live
+    start-up holds it from before its folder took the name: ``new_run_dir(lock=True)``) and
+    names a process of this host that runs no more (:func:`_ended_here`: ``flock`` alone is not
+    trusted across machines). Review 54c: such a folder took the name for good."""
+    if not _mine_holding_nothing(run_dir):
+        return False
     try:
-        if not stat.S_ISDIR(os.lstat(run_dir).st_mode):
-            return False
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return False
-    return _holds_nothing(run_dir) and RunPaths.existing(run_dir).writer() is None
+    try:
+        if not _ended_here(fd):
+            return False
+    finally:
+        os.close(fd)
+    return RunPaths.existing(run_dir).writer() is None
+
+
+def _mine_holding_nothing(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a real folder (not a link) of this user's that holds nothing of a run
+    (:func:`_holds_nothing`)."""
+    try:
+        seen = os.lstat(run_dir)
+    except OSError:
+        return False
+    return stat.S_ISDIR(seen.st_mode) and seen.st_uid == os.geteuid() and _holds_nothing(run_dir)
 
 
 def _holds_nothing(run_dir: Path) -> bool:
     """Whether the folder ``run_dir`` holds only :data:`UNUSED` names and temporary files of ended
-    processes, with a sign that an ampguard process that ended made it: its lock file (a live
-    ``train`` holds it; one that ended normally removed it) or such a temporary file (an older
-    ampguard's, killed as it wrote ``config.yaml``). A folder without either (an empty one; one a
+    processes, each of the kind a start-up makes (``wandb`` a folder, all else regular files:
+    review 54l, a folder named ``config.yaml`` was removed with what it held), with a sign that
+    an ampguard process that ended made it: its lock file (a live ``train`` holds it; one that
+    ended normally removed it) or such a temporary file (an older ampguard's, killed as it wrote
+    ``config.yaml``). A folder without either (an empty one; one a
     :class:`~ampguard.trainer.Trainer` of the API, which takes no lock, is opening) is not."""
     try:
         names = os.listdir(run_dir)
+        kinds = {n: stat.S_IFMT(os.lstat(run_dir / n).st_mode) for n in names}
     except OSError:
         return False
     left = {n for n in names if is_temporary(n) and left_by_an_ended_process(n)}
-    return not set(names) - left - UNUSED and (LOCK_FILE in names or bool(left))
+    if set(names) - left - UNUSED or not (LOCK_FILE in names or left):
+        return False
+    return all(kind == (stat.S_IFDIR if name == "wandb" else stat.S_IFREG) for name, kind in kinds.items())
 
 
 def _take_killed_start(run_dir: Path) -> bool:
     """Remove ``run_dir`` when it is a killed start-up's (:func:`_killed_start`), judged again under
     its lock (held while it is moved aside, as ``.new-run.tmp-PID-RANDOM`` of this process, and removed),
-    with a warning line naming it; True when the name is free now. Nothing where locks are not kept."""
+    with a warning line naming it; True when the name is free now. Nothing where locks are not kept.
+    A reader's look at the lock (``report``, ``compare``) is waited out as :meth:`RunPaths.lock` does."""
     if fcntl is None or not _killed_start(run_dir):
         return False
     try:
@@ -558,12 +602,20 @@ def _take_killed_start(run_dir: Path) -> bool:
     if fd is None:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # (held: its start-up lives; or no locks here)
-            return False
+        patience = time.monotonic() + LOCK_PATIENCE_S  # (review 54l: tried once, a rerun beside a polling
+        while True:  # report was refused "already exists")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # (held: a reader's look, or its start-up lives)
+                if time.monotonic() >= patience:
+                    return False
+                time.sleep(0.005)
+            except OSError:  # (no locks here)
+                return False
         pid = _pid_in(fd)
-        if not _names(run_dir / LOCK_FILE, fd) or not _holds_nothing(run_dir):  # (judged again, held)
+        # (judged again, held: its lock's file still the folder's)
+        if not _names(run_dir / LOCK_FILE, fd) or not _mine_holding_nothing(run_dir) or not _ended_here(fd):
             return False
         aside = run_dir.with_name(_temporary_name(STAGING))
         try:

@@ -77,6 +77,8 @@ def test_a_folder_a_killed_start_up_left_at_its_name_is_taken_and_no_other(tmp_p
     runs = tmp_path / "runs"
     killed = RunPaths.new_run_dir(_config(runs, "k"), lock=True)  # (its process killed: its lock let go)
     os.close(killed._lock)
+    lock = killed.dir / LOCK_FILE  # (the pid it names runs no more: review 54l)
+    lock.write_text(lock.read_text().replace(str(os.getpid()), str(_ended_pid()), 1))
     killed_id = killed.run_id()
     (killed.dir / f".config.yaml.tmp-{_ended_pid()}-00ff").write_text("x")  # (an older ampguard's leftover)
     with pytest.warns(AmpguardWarning, match=f"run folder {killed.dir} held nothing of a run: a start-up killed "):

@@ -7,15 +7,17 @@ polled the lock, and judged names, not kinds nor owners."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
+import socket
 import subprocess
 
 import pytest
 
 from ampguard import run_folder
 from ampguard.config import validate
-from ampguard.errors import InputError
+from ampguard.errors import AmpguardWarning, InputError
 from ampguard.run_folder import LOCK_FILE, RunPaths
 
 
@@ -81,3 +83,103 @@ def test_a_stop_just_after_the_staging_folder_is_made_leaves_nothing(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         RunPaths.new_run_dir(_config(tmp_path / "runs", "a"), lock=True)
     assert _names(tmp_path) == []  # (.new-run.tmp-PID-RANDOM was left in runs/, and runs/ with it)
+
+
+@pytest.mark.parametrize("holder", ["live here", "another host", "no host"])
+def test_a_lock_nobody_here_holds_is_not_taken_unless_it_names_an_ended_process_of_this_host(tmp_path, holder):
+    # where flock is each machine's own (Lustre localflock, NFS local_lock) a start-up on another machine
+    # shows no holder: its live folder was moved aside and removed, and it went on writing into the rerun's
+    runs = tmp_path / "runs"
+    live = RunPaths.new_run_dir(_config(runs, "a"), lock=True)
+    os.close(live._lock)  # (its holder not seen from here)
+    lock = live.dir / LOCK_FILE
+    if holder == "another host":
+        lock.write_text(f"{_ended_pid()} elsewhere.invalid\n")
+    elif holder == "no host":  # (an older ampguard's lock: the pid alone)
+        lock.write_text(f"{_ended_pid()}\n")
+    before = _names(live.dir)
+    with pytest.raises(InputError, match="already exists; choose another log.name"):
+        RunPaths.new_run_dir(_config(runs, "a"), lock=True)
+    assert _names(live.dir) == before and _names(runs) == ["a"]
+
+
+def test_the_lock_file_names_its_process_and_host(tmp_path):
+    paths = RunPaths.new_run_dir(_config(tmp_path, "a"), lock=True)
+    try:
+        assert (paths.dir / LOCK_FILE).read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+        assert RunPaths.existing(paths.dir).writer() == str(os.getpid())
+    finally:
+        paths.unlock()
+
+
+def test_a_reader_looking_at_the_lock_does_not_refuse_the_takeover(tmp_path, monkeypatch):
+    # report/compare hold the lock shared for microseconds (RunPaths.writer): the takeover tried its
+    # exclusive lock once, and the rerun was refused "already exists"
+    runs = tmp_path / "runs"
+    killed = _killed(runs, "a")
+    killed_id = killed.run_id()
+    reader = os.open(killed.dir / LOCK_FILE, os.O_RDONLY)
+    fcntl.flock(reader, fcntl.LOCK_SH)
+    real_flock, its = fcntl.flock, os.fstat(reader).st_ino
+
+    def flock(fd, how):  # (the reader lets go just after the takeover's first try of its lock)
+        try:
+            return real_flock(fd, how)
+        finally:
+            if fd != reader and how == fcntl.LOCK_EX | fcntl.LOCK_NB and os.fstat(fd).st_ino == its:
+                real_flock(reader, fcntl.LOCK_UN)
+
+    monkeypatch.setattr(run_folder.fcntl, "flock", flock)
+    try:
+        with pytest.warns(AmpguardWarning, match="held nothing of a run"):
+            paths = RunPaths.new_run_dir(_config(runs, "a"), lock=True)
+    finally:
+        os.close(reader)
+    monkeypatch.undo()
+    assert paths.run_id() != killed_id
+    paths.unlock()
+
+
+def _a_file_of_another_kind(folder, name):
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    (folder / name / "precious.txt").write_text("precious\n")
+
+
+@pytest.mark.parametrize("case", ["config.yaml a folder", "run-id a folder", "wandb a file", "wandb a link",
+                                  "a temporary file a folder", "another user's"])
+def test_a_folder_holding_names_of_other_kinds_or_of_another_user_is_not_taken(tmp_path, case):
+    runs = tmp_path / "runs"
+    killed = _killed(runs, "a")
+    folder = killed.dir
+    if case.endswith("a folder") and not case.startswith("a temporary"):
+        _a_file_of_another_kind(folder, case.split()[0])
+    elif case == "wandb a file":
+        (folder / "wandb").write_text("precious\n")
+    elif case == "wandb a link":
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "precious.txt").write_text("precious\n")
+        (folder / "wandb").symlink_to(tmp_path / "elsewhere")
+    elif case == "a temporary file a folder":
+        left = folder / f".config.yaml.tmp-{_ended_pid()}-00ff"
+        left.mkdir()
+        (left / "precious.txt").write_text("precious\n")
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a folder to another user")
+        os.chown(folder, 4242, 4242)
+    before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    with pytest.raises(InputError, match="already exists; choose another log.name"):
+        RunPaths.new_run_dir(_config(runs, "a"), lock=True)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
+
+
+def test_a_killed_start_ups_folder_of_this_host_is_still_taken(tmp_path):
+    runs = tmp_path / "runs"
+    killed = _killed(runs, "a")
+    killed_id = killed.run_id()
+    (killed.dir / "wandb" / "offline-run-1").mkdir(parents=True)  # (W&B opened before the kill)
+    with pytest.warns(AmpguardWarning, match=f"run folder {killed.dir} held nothing of a run"):
+        paths = RunPaths.new_run_dir(_config(runs, "a"), lock=True)
+    assert _names(paths.dir) == [LOCK_FILE, "config.yaml", "run-id"] and paths.run_id() != killed_id
+    paths.unlock()
