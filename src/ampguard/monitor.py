@@ -66,7 +66,8 @@ skip. ``clear_rate == alert_rate`` clears as soon as the rate is back at the thr
 
 # Every double is a whole multiple of 2**-1074, so sums kept as integers in those units are
 # exact, and converting back divides once, correctly rounded: a window's total is always what
-# math.fsum of the values it holds would give, however long the run.
+# math.fsum of the values it holds would give, however long the run. (The 1.0s, the skip and
+# clip windows' flags pushed every step, are counted apart, as a plain int: review 54o.)
 _UNITS = 2**1074
 
 
@@ -137,7 +138,8 @@ class RollingWindow:
         self._ring = [0.0] * size
         self._pos = 0
         self.count = 0  # values pushed in all
-        self._sum = 0  # exact, in units of 2**-1074
+        self._ones = 0  # the 1.0s the window holds (a skip's, a clip's flag): counted, no big integers
+        self._sum = 0  # the other values' sum, exact, in units of 2**-1074
 
     @property
     def total(self) -> float:
@@ -150,8 +152,12 @@ class RollingWindow:
             ...     w.push(v)
             >>> w.total == math.fsum([0.2, 0.3])
             True
+            >>> w.push(1); w.total == math.fsum([0.3, 1.0])
+            True
         """
-        return self._sum / _UNITS
+        if not self._sum:  # (0/1 flags alone: the count of 1s, exact)
+            return float(self._ones)
+        return (self._ones * _UNITS + self._sum) / _UNITS  # (one division, correctly rounded)
 
     @property
     def held(self) -> int:
@@ -175,8 +181,15 @@ class RollingWindow:
             >>> w.total, w.count
             (1.0, 3)
         """
-        value = float(value)
-        self._sum += _exact(value) - _exact(self._ring[self._pos])
+        value, old = float(value), self._ring[self._pos]
+        if value == 1.0:
+            self._ones += 1
+        elif value:  # (0.0 adds nothing)
+            self._sum += _exact(value)
+        if old == 1.0:
+            self._ones -= 1
+        elif old:
+            self._sum -= _exact(old)
         self._ring[self._pos] = value
         self._pos = (self._pos + 1) % self.size
         self.count += 1
@@ -274,7 +287,8 @@ class RollingWindow:
         self._ring = [float(v) for v in state["ring"]]
         self._pos = int(state["pos"])
         self.count = int(state["count"])
-        self._sum = sum(_exact(v) for v in self._ring)
+        self._ones = sum(v == 1.0 for v in self._ring)
+        self._sum = sum(_exact(v) for v in self._ring if v != 1.0)
 
 
 @dataclass
