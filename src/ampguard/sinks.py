@@ -1035,11 +1035,14 @@ class CsvSink(_LineFile):
                              "each row's step must follow the one before (a resume appends after its checkpoint's "
                              "step: CsvSink(path, append=True, keep_through=<that step>) drops the rows after it)")
         row = _cells(record)
-        if self._extra:
+        if self._labels or (extra and any(isinstance(v, str) for v in extra.values())):
             cells = {**(record.labels() if self._labels else {}), **(extra or {})}  # declared label columns
             row += [_cell(cells.get(k)) for k in self._extra]
-            self._append_row(row)
-        else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote
+            self._append_row(row)  # (text cells, the optimizers' names or yours: quoted as the csv module quotes)
+        else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote (review 54o:
+            # a trainer's step without metrics went through csv.writer for its empty metric cells, ~2 us a row)
+            if self._extra:
+                row += [format_number(extra.get(k)) for k in self._extra] if extra else [""] * len(self._extra)
             self._write_line(",".join(row) + "\n")
         self.rows += 1
         self._last = record.step
