@@ -134,7 +134,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """
     torch.set_rng_state(state["torch"])
     if "random" in state:  # (torch_rng_state's holds torch's alone)
-        random.setstate(_as_tuple(state["random"]))
+        kept = state["random"]  # review 54o: random.getstate()'s own tuple as it is (rebuilt, its 625 words cost
+        # ~100 us an evaluation's rng_kept); one from a checkpoint file, its tuples made lists, made tuples again
+        whole = isinstance(kept, tuple) and len(kept) > 1 and isinstance(kept[1], tuple)
+        random.setstate(kept if whole else _as_tuple(kept))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
