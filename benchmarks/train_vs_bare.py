@@ -32,6 +32,11 @@ an interval: 2.5-3% below the others). The middle intervals are shifted alike at
     python benchmarks/train_vs_bare.py --out benchmarks/out             # GPU: GPT-2 small
     python benchmarks/train_vs_bare.py --quick --device cpu              # a dry run on a CPU
 
+On a CPU torch's intra-op threads are pinned for every run, as ``ampguard bench`` pins them
+(``--threads``, default the CPUs this process may use), and the header says how many, with the
+machine's load before the runs: OpenMP's threads on a machine other work shares swung the same
+bare loop's figures ~60x (review 54o; ``--threads 1`` is the steadiest there).
+
 Prints a line per run, then the ratios, and writes ``train-vs-bare-<model>.json`` to the folder
 ``--out`` (``train-vs-bare-quick.json`` for ``--quick``, a 2 x 32 model: never over a measured
 result). Every argument and ``--out`` are checked before the first run, each bad one a one-line
@@ -262,9 +267,9 @@ def _number(v: Any) -> Any:
 
 
 def main() -> int:
-    from ampguard.bench import INTERVAL, ScriptParser, balanced_orders, in_whole_cycles
+    from ampguard.bench import INTERVAL, ScriptParser, _load, _load_text, _usable_cpus, balanced_orders, in_whole_cycles
     from ampguard.build import resolve_device
-    from ampguard.errors import InputError
+    from ampguard.errors import InputError, counted
 
     parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -283,6 +288,9 @@ def main() -> int:
     parser.add_argument("--exact", action="store_true", help="also ampguard train on the exact path (fast: false)")
     parser.add_argument("--quick", action="store_true", help="a tiny model (a dry run of the script)")
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU only: torch's intra-op threads for every run (default: the CPUs this process may "
+                        "use, as ampguard bench pins them; 1 is the steadiest on a machine other work shares)")
     parser.add_argument("--out", type=Path, default=None,
                         help="a folder for the JSON (made if missing); an earlier result there is refused, "
                         "not replaced")
@@ -305,11 +313,16 @@ def main() -> int:
                      "interval of ampguard train is reported apart)")
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         parser.error(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     try:  # (the config the runs take, and the device, judged before any run: a bad one is one line)
         _config(args)
         device = resolve_device(args.device)
     except InputError as err:
         parser.error(str(err))
+    if args.threads is not None and device.type != "cpu":  # (as ampguard bench: on a GPU it would do nothing, unsaid)
+        parser.error(f"--threads {args.threads} pins a CPU's intra-op threads; on {device.type} the steps run on the "
+                     "GPU and it is not used: leave it out")
     path = None if args.out is None else result_path(args)
     if path is not None and (problem := out_problem(path)):
         parser.error(problem)
@@ -319,12 +332,19 @@ def main() -> int:
     names = list(contenders)
     orders = balanced_orders(len(names))
     blocks = in_whole_cycles(args.blocks, len(orders))
+    load = _load()  # (before the runs add their own threads to it)
+    threads = ""
+    if device.type == "cpu":  # review 54o: unpinned, the runs took whatever torch chose, and shared cores swung them
+        torch.set_num_threads(args.threads or _usable_cpus())
+        threads = f", {counted(torch.get_num_threads(), 'thread')}"
+        if torch.get_num_threads() > _usable_cpus():
+            threads += f" on {counted(_usable_cpus(), 'usable CPU')} (oversubscribed: the threads share cores)"
     label = "quick (2x32)" if args.quick else "gpt2-small (12x768)" if args.model == "gpt2-small" else "default (2x64)"
     print(f"train vs bare, {label}: {args.device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, {args.precision}, {'eager' if args.eager else 'compiled'}, batch "
-          f"{args.batch}, {args.steps} steps a run, intervals of {args.every} after {args.skip}; "
-          f"{blocks} paired blocks of {', '.join(names)}", flush=True)
+          f"{args.batch}, {args.steps} steps a run, intervals of {args.every} after {args.skip}{threads}"
+          f"{_load_text(load)}; {blocks} paired blocks of {', '.join(names)}", flush=True)
     if blocks != args.blocks:
         print(f"  {blocks} blocks, not {args.blocks}: whole cycles of the {len(orders)} orders (each contender "
               "in each place alike)", flush=True)
@@ -369,6 +389,7 @@ def main() -> int:
     if path is not None:
         data = {"args": {k: str(v) for k, v in vars(args).items()}, "label": label, "blocks": runs,
                 "results": {k: {f: _number(v) for f, v in r.items()} for k, r in results.items()},
+                "threads": torch.get_num_threads() if device.type == "cpu" else None, "load_avg": load,
                 "interval": INTERVAL, "confidence": 0.95, "tolerance": TOLERANCE, "resolved": ours["resolved"],
                 "unresolved_why": ours["unresolved_why"], "goal": ours["goal"],
                 "drift": _number(ours["drift"]), "spread": _number(ours["spread"])}

@@ -56,6 +56,7 @@ TRAIN = [  # (args, what the line says); {tmp} is a folder of the test's
     (["--device", "cpu", "--quick", "--precision", "fp64"], "precision"),
     (["--device", "cpu", "--quick", "--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0"),
     (["--device", "tpu", "--quick"], "device"),
+    (["--device", "cpu", "--quick", "--threads", "0"], "--threads must be at least 1, got 0"),  # (review 54o)
     (["--device", "cpu", "--quick", "--out", "{tmp}/file/existing_result_file"], "existing_result_file: not a folder"),
     (["--device", "cpu", "--quick", "--out", "{tmp}/file/existing_result_file/x"], "is not a folder"),
     (["--device", "cpu", "--eager", "--quick", "--out", "{tmp}/earlier"], "train-vs-bare-quick.json is already there"),
@@ -183,3 +184,15 @@ def test_headroom_cost_rounds_up_to_whole_cycles_with_an_interval():
     assert [script.whole_cycles(n, 6) for n in (1, 10, 12, 13)] == [6, 12, 12, 18]
     assert script.goal(0.99, 1.019) == "met" and script.goal(1.021, 1.05) == "missed"
     assert script.goal(0.884, 1.080).startswith("not resolved")
+
+
+def test_train_vs_bare_pins_a_cpus_threads_and_says_so(tmp_path):
+    # review 54o: the CPU runs took whatever thread count torch chose (OMP_NUM_THREADS here: 1), unsaid; OpenMP's
+    # threads on a machine other work shares swung the same bare loop ~60x. Pinned as ampguard bench pins them
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "train_vs_bare.py"), "--quick", "--device", "cpu",
+                           "--eager", "--precision", "fp32", "--blocks", "1", "--threads", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    header = done.stdout.splitlines()[0]
+    assert ", 2 threads" in header and "paired blocks" in header, header
+    assert json.loads((tmp_path / "train-vs-bare-quick.json").read_text())["threads"] == 2
