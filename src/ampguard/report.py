@@ -600,6 +600,8 @@ def _field_adapter(key: str) -> Any:
 def _regular(path: Path) -> None:
     """``OSError`` unless ``path`` is a regular file: reading a named pipe (or a device) would wait
     for a writer for ever."""
+    if path.is_dir():  # (review 54n: a folder was called "a pipe, a device")
+        raise OSError(errno.EISDIR, "is a folder, not a file", str(path))
     if path.exists() and not path.is_file():
         raise OSError(errno.EINVAL, "not a regular file (a pipe, a device)", str(path))
 
@@ -1771,6 +1773,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     target = Path(path)
     csv_path = target / "steps.csv" if target.is_dir() else target
     config_path = csv_path.parent / "config.yaml"
+    if csv_path.is_dir():  # (review 54n: it said "no per-step CSV at RUN/steps.csv", which is there)
+        raise InputError(f"{csv_path} is a folder, not a file: a run folder's per-step CSV steps.csv is a file")
     if not csv_path.is_file():
         raise InputError(f"no per-step CSV at {csv_path}")
     if _is_png(csv_path):  # (it was "the plot X is the CSV itself; refusing to overwrite it")
