@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from .errors import InputError, brief, counted, first_line
+from .errors import InputError, brief, counted, first_line, shown
 from .files import remove_temporaries
 
 MAGIC = "ampguard-checkpoint"
@@ -341,15 +341,31 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     """
     path = Path(path)
     payload = safe_load(path, "checkpoint", map_location)
-    if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
+    # review 54n: a field of the loaded file is compared only once its type is the one expected: a
+    # format of tensor([1, 2]) made "!=" a tensor whose truth raised a RuntimeError, a traceback,
+    # and no InputError, so a run folder's resume died there instead of trying the older checkpoint
+    # (a magic of a tensor was refused only because Tensor != str happens to be True; True == 1)
+    if not isinstance(payload, dict) or not _exactly(payload.get("magic"), MAGIC):
         raise InputError(f"{path}: not an ampguard checkpoint")
-    if payload.get("format") != FORMAT:
+    if not _exactly(payload.get("format"), FORMAT):
         # (brief: a container by its kind; its repr could recurse past the limit)
         raise InputError(f"{path}: checkpoint format {brief(payload.get('format'))}, this ampguard reads {FORMAT}")
     missing = [key for key in REQUIRED if key not in payload]
     if missing:
         raise InputError(f"{path}: incomplete ampguard checkpoint (missing {', '.join(missing)})")
     return payload
+
+
+def _exactly(value: Any, expected: str | int) -> bool:
+    """Whether ``value``, read from a file, is ``expected`` and of its very type (not a bool for an
+    int, not a tensor, whose ``==`` is a tensor).
+
+    Example::
+
+        >>> _exactly(1, 1), _exactly(True, 1), _exactly(1.0, 1), _exactly(torch.tensor([1, 2]), 1), _exactly("a", "a")
+        (True, False, False, False, True)
+    """
+    return type(value) is type(expected) and value == expected
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike,
@@ -382,6 +398,8 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike,
     for key in ("model", "state"):
         if not isinstance(payload[key], Mapping):
             raise InputError(f"{path}: bad checkpoint: {key} is a {type(payload[key]).__name__}, expected a mapping")
+    if bad := not_weights(payload["model"]):  # (review 54n: it was torch's "Error(s) in loading state_dict for X:")
+        raise InputError(f"{path}: bad checkpoint: {bad}")
     how = misfit(model.state_dict(), payload["model"])  # (before loading: load_state_dict casts a dtype)
     if not how:
         try:
@@ -453,6 +471,28 @@ def other_task(saved: Any, now: Mapping[str, Any] | None) -> str:
         ask = "--set task.factory=null " + ask
     return f"; it is a checkpoint of {was}, this config's is {this.removeprefix('task ')}: pass that run's " \
            f"config.yaml, or {ask}"
+
+
+def not_weights(saved: Mapping[Any, Any]) -> str:
+    """The first entry of a checkpoint's ``model`` that no state dict holds, in a few words: a name
+    that is not text, or a value that is not a tensor (a module's ``*_extra_state`` may be anything);
+    "" when none. Named, because the load's own error names neither the entry nor what it holds
+    (review 54n: a weight round-tripped through JSON, a list, read "Error(s) in loading state_dict
+    for Linear:"). The one check of it: ``load_weights`` (validate, locate) and a resume's schema.
+
+    Example::
+
+        >>> not_weights({"w": torch.zeros(2), "m._extra_state": {"a": 1}})
+        ''
+        >>> not_weights({"w": [[0.0, 1.0]]}), not_weights({"w": "tensor"}), not_weights({3: torch.zeros(2)})
+        ('model.w is a list of 1, expected a tensor', "model.w is 'tensor', expected a tensor", 'model holds a name 3, expected text')
+    """
+    for name, value in saved.items():
+        if not isinstance(name, str):
+            return f"model holds a name {brief(name)}, expected text"
+        if not isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
+            return f"model.{shown(name)} is {brief(value)}, expected a tensor"
+    return ""
 
 
 def misfit(model: Mapping[str, Any], saved: Mapping[str, Any]) -> str:

@@ -50,8 +50,9 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import (MAX_DEPTH, PRESETS, Config, TaskConfig, as_it_ran, flat_keys, is_plain, plain_data, read_file,
-                     yaml_spelled)
+from .config import (MAX_DEPTH, PRESETS, Config, ConfigError, TaskConfig, as_it_ran, flat_keys, is_plain, plain_data,
+                     read_file, yaml_spelled)
+from .config import validate as config_of
 from .errors import AmpguardWarning, InputError, brief, counted, first_line, real_number, shortened, shown, whole_number
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
@@ -846,11 +847,6 @@ def _show(value: Any) -> str:
     return text if isinstance(value, (str, int, float, bool, type(None))) else f"{text} ({type(value).__name__})"
 
 
-def _tensor_map(value: Any) -> bool:
-    return isinstance(value, Mapping) and all(
-        isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith("_extra_state")) for k, v in value.items())
-
-
 def _optimizer_state(value: Any) -> bool:
     return (isinstance(value, Mapping) and isinstance(value.get("state"), Mapping)
             and isinstance(value.get("param_groups"), list)
@@ -878,7 +874,8 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     (THROUGHPUT, False, lambda v: isinstance(v, str), "a str"),
     (DATA_NEXT, False, lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None, "64 hex digits"),
     (RUN_ID, False, lambda v: isinstance(v, str) and RUN_ID_PATTERN.fullmatch(v) is not None, "32 hex digits"),
-    (MODEL, True, _tensor_map, "a mapping of parameter names to tensors"),
+    (MODEL, True, lambda v: isinstance(v, Mapping), "a mapping of parameter names to tensors"),  # (its entries:
+    # ckpt.not_weights, in check_field, which names the first bad one: review 54n)
     (OPTIMIZER, True, _optimizer_state, "an optimizer state (a mapping with state and param_groups)"),
     (SCHEDULER, True, lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v), "a mapping"),
     (STATE, True, lambda v: isinstance(v, Mapping) and all(k in v for k in STATE_KEYS),
@@ -893,7 +890,9 @@ _SCHEMA: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
      "a list of str"),
     (DATA_ID, False, lambda v: isinstance(v, str), "a str"),
 )
-"""What each payload entry must be before anything uses it."""
+"""What each payload entry must be before anything uses it (:func:`check_field`)."""
+
+_SCHEMA_OF = {row[0]: row for row in _SCHEMA}
 
 _STATE_SCHEMA: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("step", whole_number, "an int >= 0"),
@@ -907,8 +906,9 @@ _STATE_SCHEMA: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 
 def check_payload(loaded: Loaded) -> None:
     """The payload's schema, checked after the weights-only load and before any field is used:
-    each entry's type (:data:`_SCHEMA`), the guarded step's state (:data:`STATE_KEYS`), and the
-    counters agreeing with each other. One :class:`InputError` line naming the file and the field.
+    each entry's type (:func:`check_field`), the config the config schema takes
+    (:func:`check_config`), the guarded step's state (:data:`STATE_KEYS`), and the counters
+    agreeing with each other. One :class:`InputError` line naming the file and the field.
 
     Example::
 
@@ -931,17 +931,13 @@ def check_payload(loaded: Loaded) -> None:
     payload, path = loaded.payload, loaded.path
 
     def bad(key: str, value: Any, expected: str) -> InputError:
-        return InputError(f"{path}: bad checkpoint: {key} is {_show(value)}, expected {expected}")
+        return _bad(path, key, value, expected)
 
     if not isinstance(payload, Mapping):
         raise InputError(f"{path}: bad checkpoint: the payload is {_show(payload)}, expected a mapping")
-    for key, required, test, expected in _SCHEMA:
-        if key not in payload:
-            if required:
-                raise InputError(f"{path}: bad checkpoint: {key} is missing")
-            continue
-        if not test(payload[key]):
-            raise bad(key, payload[key], expected)
+    for key in _SCHEMA_OF:
+        check_field(path, payload, key)
+    check_config(path, payload[CONFIG])
     state, step = payload[STATE], payload[STEP]
     for key, test, expected in _STATE_SCHEMA:
         if not test(state[key]):
@@ -957,6 +953,67 @@ def check_payload(loaded: Loaded) -> None:
         raise bad(f"{STATE}.monitors.run.steps", run["steps"], f"at most {step} (the checkpoint's step)")
     if len(payload.get(ROLLBACKS) or []) > step:  # one rollback a step at most
         raise bad(ROLLBACKS, payload[ROLLBACKS], f"at most {step} entries (one a step)")
+
+
+def _bad(path: Path | str, key: str, value: Any, expected: str) -> InputError:
+    return InputError(f"{path}: bad checkpoint: {key} is {_show(value)}, expected {expected}")
+
+
+def check_field(path: Path | str, payload: Mapping[str, Any], key: str) -> None:
+    """One payload entry (``key``, a row of :data:`_SCHEMA`) before it is used: there if required,
+    of its type, and the ``model``'s entries tensors (:func:`ampguard.checkpoint.not_weights`,
+    naming the first that is not). One :class:`InputError` line naming the file and the field.
+    The one check of each: :func:`check_payload` runs every row, validate and locate the ``step``
+    they report and the ``config`` whose ``task`` they compare (:func:`load_trained_weights`,
+    review 54n: a step of 'abc' went into validate's report).
+
+    Example::
+
+        >>> for payload in ({STEP: "abc"}, {}, {MODEL: {"weight": [0.5]}}):
+        ...     try:
+        ...         check_field("step-00000004.pt", payload, next(iter(payload), STEP))
+        ...     except InputError as err:
+        ...         print(err)
+        step-00000004.pt: bad checkpoint: step is 'abc', expected an int >= 0
+        step-00000004.pt: bad checkpoint: step is missing
+        step-00000004.pt: bad checkpoint: model.weight is a list of 1, expected a tensor
+    """
+    _, required, test, expected = _SCHEMA_OF[key]
+    if key not in payload:
+        if required:
+            raise InputError(f"{path}: bad checkpoint: {key} is missing")
+        return
+    value = payload[key]
+    if not test(value):
+        raise _bad(path, key, value, expected)
+    if key == MODEL and (entry := ckpt.not_weights(value)):
+        raise InputError(f"{path}: bad checkpoint: {entry}")
+
+
+def check_config(path: Path | str, config: dict[str, Any]) -> None:
+    """A checkpoint's config (plain data: :func:`check_field`) is one the config schema takes,
+    read as the run folder's ``config.yaml`` is (``as_it_ran``: a setting added since keeps the
+    value an older run had); else one :class:`InputError` line naming the setting.
+
+    Review 54n: a resume compares the run's settings with it, and records each difference as a
+    policy change (POLICY line, ``events.jsonl``, the run card). It was only checked to be plain
+    data, so ``scheduler_on_skip: -5`` resumed and the run recorded a change "from -5", a setting
+    it could never have had. A value the schema refuses is a damaged field like any other: the
+    resume is refused naming it (a run folder's newest checkpoint too: it reads, so it is not
+    passed over for an older one, :func:`find_resume`).
+
+    Example::
+
+        >>> check_config("step-00000004.pt", {"monitor": {"alert_rate": 0.1}})  # (an older run's: no clear_rate)
+        >>> check_config("step-00000004.pt", {"scheduler_on_skip": -5})
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: step-00000004.pt: bad checkpoint: config: scheduler_on_skip: Input should be 'hold' or 'step' (got -5)
+    """
+    try:
+        config_of(as_it_ran(config))
+    except ConfigError as err:  # ("config: scheduler_on_skip: ...")
+        raise InputError(f"{path}: bad checkpoint: {err}") from None
 
 
 def check_checkpoint(loaded: Loaded, run_id: str | None) -> None:
@@ -1620,6 +1677,12 @@ def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Conf
     of other settings, review 53b). Returns the checkpoint's payload."""
     settings = plain_data(config)["task"]
     payload = ckpt.load_weights(model, path, map_location=map_location, task=settings, data_id=data_id)
+    # review 54n: the step, which validate writes into its report and locate judges its weights'
+    # age by, and the config, whose task is compared, are checked as a resume checks them:
+    # validate wrote "Weights: from CKPT (step abc)", and a config.task.n_head of a tensor raised
+    # a RuntimeError in the comparison (the schema is not asked: the weights are what is used)
+    for key in (STEP, CONFIG):
+        check_field(path, payload, key)
     check_task_settings(payload, settings, path)
     return payload
 

@@ -1605,7 +1605,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     if checkpoint:
         saved = load_trained_weights(model, checkpoint, config, map_location=device, data_id=task.data_id)
         checkpoint_scale = _checkpoint_scale(checkpoint, saved["state"].get("scaler"), config, precision)
-        saved_step = saved.get("step") if isinstance(saved.get("step"), int) else None
+        saved_step = saved["step"]  # (an int >= 0: load_trained_weights checks it, review 54n)
     injector = FaultInjector(faults, config.accumulation_steps)
     # a finding in the loss names the task's loss function, not the injector's wrapper
     loss_fn = functools.update_wrapper(injector.wrap_loss(task.loss_fn), task.loss_fn, updated=())

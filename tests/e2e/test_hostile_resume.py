@@ -295,7 +295,7 @@ BAD_FIELDS = {
     "data_position": (-3, "data_position is -3, expected an int >= 0"),
     "rollbacks": ([7], "rollbacks is a list, expected a list of str"),
     "config": ([1], "config is a list, expected a mapping of plain data"),
-    "model": ({"weight": "w"}, "model is a dict, expected a mapping of parameter names to tensors"),
+    "model": ({"weight": "w"}, "model.weight is 'w', expected a tensor"),  # (review 54n: it named the mapping)
     "optimizer": ({"state": {}}, "optimizer is a dict, expected an optimizer state"),
     "state": ({"step": 8}, "state is a dict, expected a mapping with scaler, step, updates"),
     "rng": (3, "rng is 3, expected a mapping"),

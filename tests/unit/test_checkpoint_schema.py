@@ -96,7 +96,7 @@ BAD = [
     (RUN_ID, "../../etc", "run_id is '../../etc', expected 32 hex digits"),
     (RUN_ID, RUN.upper(), "expected 32 hex digits"),
     (MODEL, "w", "model is 'w', expected a mapping of parameter names to tensors"),
-    (MODEL, {"weight": [1.0]}, "model is a dict, expected a mapping of parameter names to tensors"),
+    (MODEL, {"weight": [1.0]}, "model.weight is a list of 1, expected a tensor"),  # (review 54n: it named the mapping)
     (OPTIMIZER, [], "optimizer is a list, expected an optimizer state"),
     (OPTIMIZER, {"state": {}, "param_groups": [{"lr": 1}]}, "optimizer is a dict, expected an optimizer state"),
     (SCHEDULER, "x", "scheduler is 'x', expected a mapping"),
