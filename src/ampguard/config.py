@@ -1541,9 +1541,11 @@ def as_it_ran(data: dict[str, Any]) -> dict[str, Any]:
     """A run's saved config (its ``config.yaml``, a checkpoint's) as this version reads it: a
     setting added since an older ampguard wrote it takes the value that run ran with, not the new
     default. ``monitor.clear_rate``: an ALERT cleared at ``alert_rate`` before it had a level of
-    its own (the default now is 0.8 x ``alert_rate``). ``fp8.exclude`` and ``log.wandb.tags``
-    listed a name twice before that was refused: the run ran as if once (a pattern matches or
-    not; W&B keeps a tag once), so it reads once.
+    its own (the default now is 0.8 x ``alert_rate``). ``fp8.exclude``, ``log.wandb.tags``,
+    ``fp32_modules`` and ``rollback.triggers`` listed a name twice before that was refused: the
+    run ran as if once (a pattern matches or not; W&B keeps a tag once; a module is kept in
+    float32, a trigger armed, once), so it reads once (review 54q: a resume checks a checkpoint's
+    config against the schema, and refused such an older run's).
 
     Example::
 
@@ -1553,11 +1555,14 @@ def as_it_ran(data: dict[str, Any]) -> dict[str, Any]:
         {'monitor': {'alert_rate': 0.1, 'clear_rate': None}}
         >>> as_it_ran({"fp8": {"exclude": ["a", "b", "a"]}, "log": {"wandb": {"tags": ["t", "t"]}}})
         {'fp8': {'exclude': ['a', 'b']}, 'log': {'wandb': {'tags': ['t']}}}
+        >>> as_it_ran({"fp32_modules": ["head", "head"], "rollback": {"triggers": ["spike", "spike"]}})
+        {'fp32_modules': ['head'], 'rollback': {'triggers': ['spike']}}
     """
     monitor = data.get("monitor")
     if isinstance(monitor, dict) and "clear_rate" not in monitor:  # (written before the ALERT had a clear level)
         data = {**data, "monitor": {**monitor, "clear_rate": monitor.get("alert_rate", MonitorConfig().alert_rate)}}
-    for section, key in ((("fp8",), "exclude"), (("log", "wandb"), "tags")):  # (listed twice before it was refused)
+    for section, key in ((("fp8",), "exclude"), (("log", "wandb"), "tags"), ((), "fp32_modules"),
+                         (("rollback",), "triggers")):  # (listed twice before it was refused)
         data = _listed_once_as_it_ran(data, section, key)
     return data
 

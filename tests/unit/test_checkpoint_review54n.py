@@ -102,3 +102,16 @@ def test_validate_and_locate_check_the_config_they_compare_the_task_of(tmp_path,
     with pytest.raises(InputError) as err:
         ck.load_trained_weights(model, path, validate({"task": {"name": "charlm"}}), "cpu")
     assert str(err.value) == f"{path}: bad checkpoint: config is a dict, expected a mapping of plain data"
+
+
+def test_an_older_runs_names_listed_twice_are_read_once_not_refused():
+    """Review 54q: a checkpoint's config is checked against the schema on resume; an older run's
+    ``fp32_modules`` or ``rollback.triggers`` listed a name twice before that was refused, and its
+    checkpoints were refused as damaged; they read as the run ran, once."""
+    from ampguard.checkpointer import check_config
+    from ampguard.config import plain_data, validate
+
+    saved = plain_data(validate({"precision": "fp16", "monitor": {"fail_rate": 0.5}, "checkpoint": {"every": 5}}))
+    saved["fp32_modules"] = ["head", "head"]
+    saved["rollback"] = {**saved["rollback"], "triggers": ["skip_guard", "skip_guard"]}
+    check_config("step-00000004.pt", saved)  # (no InputError)
