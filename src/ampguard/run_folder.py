@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import os
 import re
@@ -55,9 +56,9 @@ one it locked was let go and removed meanwhile (a race resolves in one or two; a
 stat and fstat never agree would loop)."""
 
 
-def taken(run_dir: Path) -> InputError:
+def taken(run_dir: Path, why: str = "") -> InputError:
     """The refusal of a new run in a folder that exists (a run's folder is its own)."""
-    return InputError(f"run folder {run_dir} already exists; choose another log.name")
+    return InputError(f"run folder {run_dir} already exists; choose another log.name{why}")
 
 
 @dataclass
@@ -169,7 +170,7 @@ class RunPaths:
             names = itertools.chain([stamp], (f"{stamp}-{n}" for n in itertools.count(2)))
         run_dir = Path(config.log.dir) / next(names)
         if config.log.name and run_dir.exists() and not _killed_start(run_dir):
-            raise taken(run_dir)
+            raise taken(run_dir, _kept_because(run_dir))
         created: list[Path] = []
         staged: RunPaths | None = None
         run_id: str | None = None
@@ -276,7 +277,7 @@ class RunPaths:
             time.sleep(0.001)
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode("utf-8", "surrogateescape"))
+            os.write(fd, _holder_line().encode("utf-8", "surrogateescape"))
         self._lock = fd
 
     def _busy(self, pid: str | None) -> InputError:
@@ -501,22 +502,69 @@ def _pid_in(fd: int) -> str | None:
     return _holder_in(fd)[0]
 
 
-def _holder_in(fd: int) -> tuple[str | None, str | None]:
-    """The pid and the host's name a lock file's holder wrote in it (:meth:`RunPaths.lock`: ``PID
-    HOST``; an older ampguard's, the pid alone: no host), each None where it holds none."""
-    words = os.pread(fd, 512, 0).decode("utf-8", "surrogateescape").partition("\n")[0].split(maxsplit=1)
-    pid = words[0] if words and words[0].isdigit() else None
-    return pid, (words[1] if pid is not None and len(words) > 1 else None)
+def _holder_line() -> str:
+    """What a lock's holder writes in its file: ``PID HOST``, and on Linux a second line,
+    ``kernel BOOT_ID``, the running kernel's boot id (:func:`_kernel_boot`)."""
+    boot = _kernel_boot()
+    return f"{os.getpid()} {socket.gethostname()}\n" + (f"kernel {boot}\n" if boot else "")
+
+
+@functools.cache
+def _kernel_boot() -> str | None:
+    """This kernel's boot id (Linux's ``/proc/sys/kernel/random/boot_id``; None elsewhere): the
+    same in every container on the machine, another after a reboot and on another machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+def _holder_in(fd: int) -> tuple[str | None, str | None, str | None]:
+    """The pid, the host's name and the kernel's boot id a lock file's holder wrote in it
+    (:meth:`RunPaths.lock`: :func:`_holder_line`; an older ampguard's, the pid alone), each None
+    where it holds none. A pid is ASCII digits (review 54r: ``²`` passed ``isdigit()`` and its
+    ``int()`` was a traceback)."""
+    first, _, rest = os.pread(fd, 1024, 0).decode("utf-8", "surrogateescape").partition("\n")
+    words = first.split(maxsplit=1)
+    pid = words[0] if words and words[0].isascii() and words[0].isdigit() else None
+    host = words[1] if pid is not None and len(words) > 1 else None
+    kernel = rest.partition("\n")[0].removeprefix("kernel ").strip() if rest.startswith("kernel ") else None
+    return pid, host, kernel or None
 
 
 def _ended_here(fd: int) -> bool:
-    """Whether the lock file open at ``fd`` names a process of this host that runs no more: what
-    says its holder ended where ``flock`` cannot (review 54l: some shared file systems keep each
+    """Whether the holder of the lock file open at ``fd``, a lock nobody holds now (the caller's
+    look), has ended, as far as this machine can tell. Written under this very kernel (its boot id,
+    :func:`_kernel_boot`): yes, ``flock`` is that kernel's own and tells (containers share it,
+    whatever their host names and pid namespaces: review 54r, a new container's rerun, or a
+    restarted one's whose ampguard is pid 1 again, was refused the name for good). Else (another
+    machine's, or a lock from before a reboot or without a boot id): only a process of this host
+    that runs no more, this one's pid aside (review 54l: some shared file systems keep each
     machine's locks to itself, Lustre ``localflock``, NFS ``local_lock``; a start-up on another
-    machine shows no holder here, and its live folder was taken). A host's name is taken to be
-    its own among the machines that share a ``log.dir``."""
-    pid, host = _holder_in(fd)
-    return pid is not None and host == socket.gethostname() and not _running(pid)
+    machine shows no holder here, and its live folder was taken)."""
+    pid, host, kernel = _holder_in(fd)
+    if kernel is not None and kernel == _kernel_boot():
+        return True
+    return pid is not None and host == socket.gethostname() and (pid == str(os.getpid()) or not _running(pid))
+
+
+def _kept_because(run_dir: Path) -> str:
+    """Why a folder at a new run's name that holds nothing of a run is not taken over (review 54r:
+    the refusal said only "already exists"): a clause for :func:`taken`, "" for any other folder."""
+    if not _mine_holding_nothing(run_dir) or RunPaths.existing(run_dir).writer() is not None:
+        return ""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return ""
+    try:
+        pid, host, _ = _holder_in(fd)
+    finally:
+        os.close(fd)
+    holder = f"pid {pid}" + (f" on {host}" if host else "") if pid else "a process"
+    return (f" (it holds nothing of a run, only what a start-up leaves before its logs open, and its lock names "
+            f"{holder}, which this machine cannot tell has ended: remove the folder once it has)")
 
 
 def _remove_staged(staged: RunPaths | None, run_dir: Path, run_id: str | None, created: list[Path]) -> None:

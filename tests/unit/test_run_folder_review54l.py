@@ -85,7 +85,7 @@ def test_a_stop_just_after_the_staging_folder_is_made_leaves_nothing(tmp_path, m
     assert _names(tmp_path) == []  # (.new-run.tmp-PID-RANDOM was left in runs/, and runs/ with it)
 
 
-@pytest.mark.parametrize("holder", ["live here", "another host", "no host"])
+@pytest.mark.parametrize("holder", ["live here", "another host", "no host", "not ascii digits"])
 def test_a_lock_nobody_here_holds_is_not_taken_unless_it_names_an_ended_process_of_this_host(tmp_path, holder):
     # where flock is each machine's own (Lustre localflock, NFS local_lock) a start-up on another machine
     # shows no holder: its live folder was moved aside and removed, and it went on writing into the rerun's
@@ -93,20 +93,45 @@ def test_a_lock_nobody_here_holds_is_not_taken_unless_it_names_an_ended_process_
     live = RunPaths.new_run_dir(_config(runs, "a"), lock=True)
     os.close(live._lock)  # (its holder not seen from here)
     lock = live.dir / LOCK_FILE
-    if holder == "another host":
+    if holder == "live here":  # (another kernel's lock, review 54r: on this one flock tells, and nobody holds it)
+        lock.write_text(f"{os.getppid()} {socket.gethostname()}\nkernel another-boot\n")
+    elif holder == "another host":
         lock.write_text(f"{_ended_pid()} elsewhere.invalid\n")
     elif holder == "no host":  # (an older ampguard's lock: the pid alone)
         lock.write_text(f"{_ended_pid()}\n")
+    elif holder == "not ascii digits":  # (review 54r: "²" passed isdigit(), and int() of it was a traceback)
+        lock.write_text(f"\u00b2 {socket.gethostname()}\n")
     before = _names(live.dir)
-    with pytest.raises(InputError, match="already exists; choose another log.name"):
+    with pytest.raises(InputError, match="already exists; choose another log.name .it holds nothing of a run.*"
+                                         "its lock names (pid|a process).*remove the folder once it has"):
         RunPaths.new_run_dir(_config(runs, "a"), lock=True)
     assert _names(live.dir) == before and _names(runs) == ["a"]
+
+
+@pytest.mark.parametrize("holder", ["a new container", "a restarted container"])
+def test_a_lock_this_kernel_wrote_is_taken_whatever_its_host_and_pid_say(tmp_path, holder):
+    """Review 54r: inside containers the host name changes with each container and a restarted
+    one's ampguard is pid 1 again (the rerun's own pid, "running"): a killed start-up's folder was
+    refused for good. Its lock names this kernel's boot id, whose flock tells that nobody holds it."""
+    if run_folder._kernel_boot() is None:
+        pytest.skip("no kernel boot id here (not Linux)")
+    runs = tmp_path / "runs"
+    killed = _killed(runs, "a")
+    boot = run_folder._kernel_boot()
+    pid, host = (_ended_pid(), "another-container") if holder == "a new container" else (os.getpid(), socket.gethostname())
+    (killed.dir / LOCK_FILE).write_text(f"{pid} {host}\nkernel {boot}\n")
+    with pytest.warns(AmpguardWarning, match="held nothing of a run"):
+        paths = RunPaths.new_run_dir(_config(runs, "a"), lock=True)
+    paths.unlock()
+    assert (paths.dir / "config.yaml").is_file()
 
 
 def test_the_lock_file_names_its_process_and_host(tmp_path):
     paths = RunPaths.new_run_dir(_config(tmp_path, "a"), lock=True)
     try:
-        assert (paths.dir / LOCK_FILE).read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+        boot = run_folder._kernel_boot()
+        assert (paths.dir / LOCK_FILE).read_text() == (f"{os.getpid()} {socket.gethostname()}\n"
+                                                       + (f"kernel {boot}\n" if boot else ""))
         assert RunPaths.existing(paths.dir).writer() == str(os.getpid())
     finally:
         paths.unlock()
