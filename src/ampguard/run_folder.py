@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import Config, dump_config
-from .errors import AmpguardWarning, ExitCode, InputError, failed_because
+from .errors import AmpguardWarning, ExitCode, InputError, failed_because, shortened, shown
 from .files import (STALE_AFTER_S, DiskFull, _running, _temporary_name, is_temporary, left_by_an_ended_process,
                     make_parents, rename_onto_nothing, replace_atomically)
 
@@ -540,13 +540,14 @@ def _ended_here(fd: int) -> bool:
     whatever their host names and pid namespaces: review 54r, a new container's rerun, or a
     restarted one's whose ampguard is pid 1 again, was refused the name for good). Else (another
     machine's, or a lock from before a reboot or without a boot id): only a process of this host
-    that runs no more, this one's pid aside (review 54l: some shared file systems keep each
+    that runs no more (review 54t: not this one's own pid taken for ended: a container on
+    another machine sharing the folder, of the same host name, runs ampguard as pid 1 too; review 54l: some shared file systems keep each
     machine's locks to itself, Lustre ``localflock``, NFS ``local_lock``; a start-up on another
     machine shows no holder here, and its live folder was taken)."""
     pid, host, kernel = _holder_in(fd)
     if kernel is not None and kernel == _kernel_boot():
         return True
-    return pid is not None and host == socket.gethostname() and (pid == str(os.getpid()) or not _running(pid))
+    return pid is not None and host == socket.gethostname() and not _running(pid)
 
 
 def _kept_because(run_dir: Path) -> str:
@@ -562,9 +563,10 @@ def _kept_because(run_dir: Path) -> str:
         pid, host, _ = _holder_in(fd)
     finally:
         os.close(fd)
-    holder = f"pid {pid}" + (f" on {host}" if host else "") if pid else "a process"
+    holder = f"pid {pid}" + (f" on {shortened(shown(host), 80)}" if host else "") if pid else "a process"
     return (f" (it holds nothing of a run, only what a start-up leaves before its logs open, and its lock names "
-            f"{holder}, which this machine cannot tell has ended: remove the folder once it has)")
+            f"{holder}, of another machine or from before this one's last start, or an older ampguard's, which "
+            f"cannot be told here to have ended: remove the folder if that start-up runs no more)")
 
 
 def _remove_staged(staged: RunPaths | None, run_dir: Path, run_id: str | None, created: list[Path]) -> None:

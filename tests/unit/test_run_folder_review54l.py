@@ -85,7 +85,8 @@ def test_a_stop_just_after_the_staging_folder_is_made_leaves_nothing(tmp_path, m
     assert _names(tmp_path) == []  # (.new-run.tmp-PID-RANDOM was left in runs/, and runs/ with it)
 
 
-@pytest.mark.parametrize("holder", ["live here", "another host", "no host", "not ascii digits"])
+@pytest.mark.parametrize("holder", ["live here", "another host", "no host", "not ascii digits", "this pid, another kernel",
+                                    "a long odd host"])
 def test_a_lock_nobody_here_holds_is_not_taken_unless_it_names_an_ended_process_of_this_host(tmp_path, holder):
     # where flock is each machine's own (Lustre localflock, NFS local_lock) a start-up on another machine
     # shows no holder: its live folder was moved aside and removed, and it went on writing into the rerun's
@@ -101,11 +102,18 @@ def test_a_lock_nobody_here_holds_is_not_taken_unless_it_names_an_ended_process_
         lock.write_text(f"{_ended_pid()}\n")
     elif holder == "not ascii digits":  # (review 54r: "²" passed isdigit(), and int() of it was a traceback)
         lock.write_text(f"\u00b2 {socket.gethostname()}\n")
+    elif holder == "this pid, another kernel":  # (review 54t: pid 1 in a container of another machine, same name)
+        lock.write_text(f"{os.getpid()} {socket.gethostname()}\nkernel another-boot\n")
+    elif holder == "a long odd host":
+        lock.write_text(f"{_ended_pid()} {'h' * 2000}\x1b\n")
     before = _names(live.dir)
     with pytest.raises(InputError, match="already exists; choose another log.name .it holds nothing of a run.*"
-                                         "its lock names (pid|a process).*remove the folder once it has"):
+                                         "its lock names (pid|a process).*remove the folder if that start-up runs no more"):
         RunPaths.new_run_dir(_config(runs, "a"), lock=True)
     assert _names(live.dir) == before and _names(runs) == ["a"]
+    with pytest.raises(InputError) as refused:
+        RunPaths.new_run_dir(_config(runs, "a"), lock=True)
+    assert len(str(refused.value)) < 500 and "\x1b" not in str(refused.value)
 
 
 @pytest.mark.parametrize("holder", ["a new container", "a restarted container"])
