@@ -1185,6 +1185,51 @@ def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
         warnings.warn(f"the loss scaler is off (enabled: False): scaler settings {', '.join(ignored)} ignored",
                       AmpguardWarning, stacklevel=user_stacklevel())
 
+GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+"""``torch.amp.GradScaler.state_dict()``'s keys: what a stock fp16 run saves (Lightning's
+``MixedPrecision``, HF's ``scaler.pt``)."""
+_STOCK_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval")
+"""The GradScaler settings a stock state carries besides its scale and growth tracker."""
+
+
+def take_over_stock_scale(scaler: GuardedGradScaler, state: Mapping[str, Any], whose: str) -> tuple[str, str | None]:
+    """Load the scale and the growth tracker of a stock ``torch.amp.GradScaler``'s ``state_dict()``
+    (a stock fp16 run's checkpoint: Lightning's ``MixedPrecision``, HF's ``scaler.pt``) into the
+    guard's new ``scaler``, whose own settings (growth and backoff factors, growth interval,
+    floor) are kept: the scale is what the stock scaler found for these weights' gradients, and
+    without it the run searched down from ``init_scale`` again (a run of skipped steps). The one
+    take-over of the integrations (review 54s: the HF Trainer took the scale alone, restarted the
+    count of clean steps at 0, and named no setting it kept), so they say it alike.
+
+    ``state`` must have passed :meth:`GuardedGradScaler.check_state` (the caller's refusal names
+    its file). A count of clean steps at or past this ``growth_interval`` restarts at 0 (PyTorch
+    grows the scale only when the count reaches the interval: it would never grow); a scale
+    below the floor is raised to it. Returns what was taken (``"scale 512 and growth tracker
+    2"``, with why where it differs from the state's) and the settings kept that differ from the
+    state's (``None`` when none), ``whose`` naming the guard's side (``"this plugin's"``).
+
+    Example::
+
+        >>> scaler = GuardedGradScaler("cpu", growth_interval=3)
+        >>> stock = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=5).state_dict()
+        >>> take_over_stock_scale(scaler, {**stock, "_growth_tracker": 2}, "this plugin's")
+        ('scale 512 and growth tracker 2', "this plugin's scaler settings kept (growth_interval 3, the checkpoint's 5)")
+    """
+    mine = scaler.state_dict()
+    interval, tracker = mine["growth_interval"], int(state["_growth_tracker"])
+    kept = tracker if tracker < interval else 0
+    scaler.load_state_dict({**mine, "scale": float(state["scale"]), "_growth_tracker": kept})
+    said = f"scale {scaler.get_scale():g}"
+    if scaler.get_scale() != float(state["scale"]):
+        said += f" (the checkpoint's {float(state['scale']):g} raised to min_scale {scaler.get_min_scale():g})"
+    said += f" and growth tracker {kept}"
+    if kept != tracker:
+        said += (f" (the checkpoint's {tracker} clean steps reach {whose} growth_interval {interval}: "
+                 f"the count restarts at 0)")
+    differ = [f"{name} {mine[name]:g}, the checkpoint's {float(state[name]):g}" for name in _STOCK_SETTINGS
+              if float(state[name]) != float(mine[name])]
+    return said, (f"{whose} scaler settings kept ({'; '.join(differ)})" if differ else None)
+
 
 def backend_of(device: torch.device) -> dict[str, Any]:
     """The compute backend behind ``device``: ``rocm`` on a HIP build of PyTorch (which still

@@ -72,7 +72,9 @@ def test_a_stock_fp16_checkpoints_scaler_pt_gives_guarded_trainer_its_starting_s
     rows = read_rows(tmp_path / "out" / "ampguard" / "steps.csv")
     assert [(r["step"], r["skipped"], r["scaler_scale"]) for r in rows] == [("3", "0", "1024.0"), ("4", "0", "1024.0")]
     resumed = next(e for e in events(tmp_path) if e["event"] == "resume")
-    assert "the loss scale goes on from its scaler.pt (the stock Trainer's GradScaler's): 1024;" in resumed["message"]
+    # (review 54s: its growth tracker too, and the settings kept named: GuardedTrainer's default init_scale only differs)
+    assert ("the loss scale takes over its scaler.pt (the stock Trainer's GradScaler's): scale 1024 and growth "
+            "tracker 0; the monitor") in resumed["message"]
     # a stock scale below the guard's floor (min_scale 1.0 by default) is raised to it, and said so
     AcceleratorState._reset_state(reset_partial_state=True)
     torch.save(torch.amp.GradScaler("cpu", init_scale=0.25).state_dict(), f"{checkpoint}/scaler.pt")
@@ -80,7 +82,7 @@ def test_a_stock_fp16_checkpoints_scaler_pt_gives_guarded_trainer_its_starting_s
     GuardedTrainer(model=tiny_gpt2(), args=arguments(tmp_path, "fp16", max_steps=4), train_dataset=token_ids(200),
                    ampguard=AmpGuardCallback(print_fn=lambda line: None)).train(resume_from_checkpoint=checkpoint)
     assert read_rows(tmp_path / "out" / "ampguard" / "steps.csv")[0]["scaler_scale"] == "1.0"
-    assert "1, raised from 0.25 to the floor min_scale;" in next(
+    assert "scale 1 (the checkpoint's 0.25 raised to min_scale 1) and growth tracker 0;" in next(
         e for e in events(tmp_path) if e["event"] == "resume")["message"]
     # a bf16 run has no loss scaler: the file is not used, and said so
     AcceleratorState._reset_state(reset_partial_state=True)

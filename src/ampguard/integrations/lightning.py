@@ -85,7 +85,8 @@ from .. import distributed
 from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, counted, failed_because, folder_problem,
                       looked_at, shortened, shown, unwritable, what_is, whole_number)
 from ..monitor import RunMonitor
-from ..precision import GuardedGradScaler, Precision, check_scaler_settings, loss_scaler_runs
+from ..precision import (GRADSCALER_KEYS, GuardedGradScaler, Precision, check_scaler_settings, loss_scaler_runs,
+                         take_over_stock_scale)
 from ..records import LABEL_COLUMNS, SkipLog, StepLog
 from ..sinks import CSV_COLUMNS, CsvSink, Sink, opened_without_waiting
 from ..step import Guard, check_settings
@@ -502,10 +503,8 @@ class AmpGuardPlugin(_LightningPrecision):
         """Load the scale and the growth tracker of the stock ``MixedPrecision``'s GradScaler state
         a resumed checkpoint held (:meth:`on_load_checkpoint`) into the guard's new ``scaler``, and
         say so: the clause the resume's warning gives (``None``: there was none). This plugin's
-        settings (growth and backoff factors, growth interval, floor) are kept, the ones given
-        here, and named where the checkpoint's differ. A count of clean steps at or past this
-        ``growth_interval`` restarts at 0 (PyTorch grows the scale only when the count reaches the
-        interval: it would never grow); a scale below the floor is raised to it."""
+        settings are kept, named where the checkpoint's differ
+        (:func:`~ampguard.precision.take_over_stock_scale`, the GuardedTrainer's too)."""
         if self._stock is None:
             return None
         key, state = self._stock
@@ -513,23 +512,10 @@ class AmpGuardPlugin(_LightningPrecision):
         if state is None or not scaler.is_enabled():
             shown = {v: k for k, v in _NAMES.items() if "-" in k}[self.name]
             return f"its {key} loss scale is not used (this fit is {shown}, with no loss scaler); "
-        mine = scaler.state_dict()
-        interval, tracker = mine["growth_interval"], state["_growth_tracker"]
-        kept = tracker if tracker < interval else 0
-        scaler.load_state_dict({**mine, "scale": state["scale"], "_growth_tracker": kept})
-        said = f"the loss scale takes over its GradScaler's scale {scaler.get_scale():g}"
-        if scaler.get_scale() != float(state["scale"]):
-            said += f" (the checkpoint's {state['scale']:g} raised to min_scale {scaler.get_min_scale():g})"
-        said += f" and growth tracker {kept}"
-        if kept != tracker:
-            said += (f" (the checkpoint's {tracker} clean steps reach this plugin's growth_interval {interval}: "
-                     f"the count restarts at 0)")
-        said += f" (Lightning's {key!r} state"
-        differ = [f"{name} {mine[name]:g}, the checkpoint's {state[name]:g}" for name in _SCALER_SETTINGS
-                  if float(state[name]) != float(mine[name])]
-        if differ:
-            said += f"; this plugin's scaler settings kept ({'; '.join(differ)})"
-        return said + ") and "
+        # (review 54s: the take-over is precision.py's, shared with the HF GuardedTrainer's scaler.pt)
+        taken, kept = take_over_stock_scale(scaler, state, "this plugin's")
+        return f"the loss scale takes over its GradScaler's {taken} (Lightning's {key!r} state" + (
+            f"; {kept}" if kept else "") + ") and "
 
     def _open_sinks(self, trainer: pl.Trainer) -> list[Sink]:
         sinks: list[Sink] = []
@@ -1013,7 +999,7 @@ class AmpGuardPlugin(_LightningPrecision):
         own = checkpoint.get(type(self).__qualname__) or {}
         state = own.get("scaler") or (self._stock[1] if self._stock is not None else None)
         if state:
-            checkpoint[_STOCK_SCALER_KEY] = {name: state[name] for name in _GRADSCALER_KEYS}
+            checkpoint[_STOCK_SCALER_KEY] = {name: state[name] for name in GRADSCALER_KEYS}
         _LightningPrecision.on_save_checkpoint(self, checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
@@ -1169,10 +1155,6 @@ _STOCK_SCALER_KEY = "MixedPrecision"
 (its class's ``__qualname__``), and looks for it on a resume."""
 _LEGACY_SCALER_KEY = "native_amp_scaling_state"
 """The same state in a Lightning 1.x checkpoint."""
-_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-"""``torch.amp.GradScaler.state_dict()``'s keys."""
-_SCALER_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval")
-"""The GradScaler settings a stock state carries besides its scale and growth tracker."""
 
 _TUNERS = (LearningRateFinder, BatchSizeFinder)
 """Lightning's tuner callbacks (``Tuner.lr_find``, ``Tuner.scale_batch_size``, or given as

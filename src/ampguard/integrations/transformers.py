@@ -52,7 +52,7 @@ from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line,
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
-from ..precision import Precision, check_scaler_settings, loss_scaler_runs
+from ..precision import Precision, check_scaler_settings, loss_scaler_runs, take_over_stock_scale
 from ..records import SkipLog, StepLog, StepRecord
 from ..signals import Interrupted, StopFlag, stop_on_signals
 from ..sinks import CsvSink, Sink, aside_taken_back, newly_lost, set_aside
@@ -1292,12 +1292,17 @@ class GuardedTrainer(Trainer):
         stock fp16 Trainer saves on a GPU: Accelerate's ``GradScaler``) into Accelerate's scaler,
         which is ``None`` here (an ``AttributeError``): its scale is read here instead.
 
-        An fp16 guard takes that scale (raised to its floor, ``min_scale``) and nothing else:
-        the scale is what the scaler found for these weights' gradients at this step, as a
-        GuardedTrainer checkpoint's scale is, so the run goes on without a new search down from
-        ``init_scale`` (a run of skipped steps); the growth and backoff factors and the interval
-        stay the guard's own (``scaler=``), and its count of clean steps starts at 0. Without a
-        loss scaler (bf16, fp32) the file is not used, and said so."""
+        An fp16 guard takes over its scale (raised to its floor, ``min_scale``) and its growth
+        tracker, as the Lightning plugin takes Lightning's (one function,
+        :func:`~ampguard.precision.take_over_stock_scale`): the scale is what the scaler found for
+        these weights' gradients at this step, as a GuardedTrainer checkpoint's scale is, so the
+        run goes on without a new search down from ``init_scale`` (a run of skipped steps); the
+        growth and backoff factors and the interval stay the guard's own (``scaler=``), named
+        where they differ. Review 54s: the clean steps' count restarted at 0 (the scale grew
+        ``growth_interval`` steps late), the settings kept went unsaid, and a NaN scale restarted
+        at ``init_scale``; a state :meth:`~ampguard.precision.GuardedGradScaler.check_state`
+        refuses is now refused (``InputError`` naming the file). Without a loss scaler (bf16,
+        fp32) the file is not used, and said so."""
         file = checkpoint / "scaler.pt"  # (HF's SCALER_NAME)
         scaler = self.guard.scaler if self.guard is not None else None
         if not file.is_file():
@@ -1308,21 +1313,17 @@ class GuardedTrainer(Trainer):
                           f"{self.guard.precision.name} run has no loss scaler; ")
         try:
             stock = torch.load(file, map_location="cpu", weights_only=True)
-            taken = float(stock["scale"])
         except Exception as err:  # noqa: BLE001 - a file of any kind: one line naming it, not a traceback
             raise InputError(f"{file}: not a loss scaler's state (HF's scaler.pt): "
                              f"{first_line(err, with_type=True)}") from None
-        if not (math.isfinite(taken) and taken > 0):
-            return None, (f"its {file.name}'s scale {taken:g} is no scale to go on from: the loss scale starts again "
-                          f"at init_scale {scaler.get_scale():g}; ")
-        own = scaler.state_dict()
-        try:  # (raised to the floor there; the floor, factors kept)
-            scaler.load_state_dict({**own, "scale": taken})
+        try:
+            scaler.check_state(stock)
         except ValueError as err:  # (a scale past float32's largest, 1e39: it escaped as a bare ValueError)
-            raise InputError(f"{file}: not a loss scale to go on from: {first_line(err)}") from None
-        return scaler.get_scale(), (f"the loss scale goes on from its {file.name} (the stock Trainer's GradScaler's): "
-                                    f"{scaler.get_scale():g}" + (f", raised from {taken:g} to the floor min_scale"
-                                                                  if scaler.get_scale() != taken else "") + "; ")
+            raise InputError(f"{file}: not a loss scale to go on from: {first_line(err)}; delete it to start the "
+                             f"loss scale at init_scale") from None
+        taken, kept = take_over_stock_scale(scaler, stock, "GuardedTrainer's")
+        return scaler.get_scale(), (f"the loss scale takes over its {file.name} (the stock Trainer's GradScaler's): "
+                                    f"{taken}; " + (f"{kept}; " if kept else ""))
 
     # ---------------------------------------------------------------- the step
 
