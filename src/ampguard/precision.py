@@ -1185,6 +1185,7 @@ def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
         warnings.warn(f"the loss scaler is off (enabled: False): scaler settings {', '.join(ignored)} ignored",
                       AmpguardWarning, stacklevel=user_stacklevel())
 
+
 GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 """``torch.amp.GradScaler.state_dict()``'s keys: what a stock fp16 run saves (Lightning's
 ``MixedPrecision``, HF's ``scaler.pt``)."""
