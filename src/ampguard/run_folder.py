@@ -140,8 +140,8 @@ class RunPaths:
         ``lock``: the folder is locked (:meth:`lock`) before it is renamed into place, so it is
         held at its name for as long as its process lives; a folder at the name that holds
         nothing of a run (:func:`_killed_start`: a start-up killed after the rename, before its
-        logs opened), whose lock nobody holds and names a process of this host that runs no more,
-        is taken, with a warning line.
+        logs opened), whose lock nobody holds, taken under this kernel or naming a process of this
+        host that runs no more (:func:`_ended_here`), is taken, with a warning line.
 
         Example (``log.dir`` under a file: nothing is left behind)::
 
@@ -592,9 +592,10 @@ def _killed_start(run_dir: Path) -> bool:
     logs opened left: a real folder of this user's (review 54l: another user's was taken where
     its lock file could be opened, by root or a shared group, as :func:`_remove_abandoned` never
     does) that holds nothing of a run (:func:`_holds_nothing`), whose lock nobody holds (a live
-    start-up holds it from before its folder took the name: ``new_run_dir(lock=True)``) and
-    names a process of this host that runs no more (:func:`_ended_here`: ``flock`` alone is not
-    trusted across machines). Review 54c: such a folder took the name for good."""
+    start-up holds it from before its folder took the name: ``new_run_dir(lock=True)``) and that
+    was taken under this kernel or names a process of this host that runs no more
+    (:func:`_ended_here`: ``flock`` alone is not trusted across machines). Review 54c: such a
+    folder took the name for good."""
     if not _mine_holding_nothing(run_dir):
         return False
     try:
