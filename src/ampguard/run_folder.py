@@ -44,8 +44,9 @@ except ImportError:  # pragma: no cover - not a POSIX system: run folders go unl
     fcntl = None  # type: ignore[assignment]
 
 LOCK_FILE = ".ampguard.lock"
-"""Held (``flock``) by the process that trains in a run folder, with its pid and its host's name
-in it (``PID HOST``); the kernel lets go of it when that process ends, however it ends."""
+"""Held (``flock``) by the process that trains in a run folder, with its pid, its host's name and
+its kernel's boot id in it (:func:`_holder_line`); the kernel lets go of it when that process
+ends, however it ends."""
 
 LOCK_PATIENCE_S = 0.15
 """How long :meth:`RunPaths.lock` tries again before it refuses: a reader's look at the lock
@@ -253,20 +254,14 @@ class RunPaths:
             fd = _open_lock(path)
             if fd is None:
                 return  # a folder that cannot be written: what the run writes says so, in its words
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    if time.monotonic() < patience:
-                        time.sleep(0.005)
-                        continue
-                    pid = _pid_in(fd)
-                    os.close(fd)
-                    raise self._busy(pid) from None
-                except OSError:  # no locks on this file system: unlocked, as before
-                    os.close(fd)
-                    return
-                break
+            held = _flock_exclusive(fd, patience)
+            if held is None:  # no locks on this file system: unlocked, as before
+                os.close(fd)
+                return
+            if not held:
+                pid = _pid_in(fd)
+                os.close(fd)
+                raise self._busy(pid)
             if _names(path, fd) or retakes >= MAX_RETAKES:  # (a file system whose stat and fstat never agree: held
                 break  # as before, not a loop for ever, review 52l; counted, not timed: a holder letting go at the
             retakes += 1  # patience's end left a second writer, review 52n)
@@ -310,9 +305,8 @@ class RunPaths:
         """
         if self.dir is None or fcntl is None:
             return None
-        try:
-            fd = os.open(self.dir / LOCK_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-        except OSError:
+        fd = _open_to_read(self.dir / LOCK_FILE)
+        if fd is None:
             return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -487,6 +481,32 @@ def _open_lock(path: Path) -> int | None:
     return fd
 
 
+def _open_to_read(path: Path) -> int | None:
+    """A lock file opened to look at its lock or read its holder (never through a link, never
+    waiting on a pipe), or None where there is none to open."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+
+
+def _flock_exclusive(fd: int, deadline: float) -> bool | None:
+    """Hold the lock of the file open at ``fd``, tried again until ``deadline`` (``time.monotonic``)
+    while another holds it: a reader's look (:meth:`RunPaths.writer`: ``report``, ``compare``)
+    holds it shared for microseconds. True: held; False: still another's at the deadline; None: a
+    file system without locks."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        except OSError:
+            return None
+
+
 def _names(path: Path, fd: int) -> bool:
     """Whether ``path`` still names the file open at ``fd`` (not removed, nor replaced by another)."""
     try:
@@ -520,6 +540,17 @@ def _kernel_boot() -> str | None:
         return None
 
 
+def _holder_of(run_dir: Path) -> tuple[str | None, str | None, str | None] | None:
+    """:func:`_holder_in` of ``run_dir``'s lock file, or None where it has none to read."""
+    fd = _open_to_read(run_dir / LOCK_FILE)
+    if fd is None:
+        return None
+    try:
+        return _holder_in(fd)
+    finally:
+        os.close(fd)
+
+
 def _holder_in(fd: int) -> tuple[str | None, str | None, str | None]:
     """The pid, the host's name and the kernel's boot id a lock file's holder wrote in it
     (:meth:`RunPaths.lock`: :func:`_holder_line`; an older ampguard's, the pid alone), each None
@@ -533,9 +564,9 @@ def _holder_in(fd: int) -> tuple[str | None, str | None, str | None]:
     return pid, host, kernel or None
 
 
-def _ended_here(fd: int) -> bool:
-    """Whether the holder of the lock file open at ``fd``, a lock nobody holds now (the caller's
-    look), has ended, as far as this machine can tell. Written under this very kernel (its boot id,
+def _ended_here(holder: tuple[str | None, str | None, str | None]) -> bool:
+    """Whether the ``holder`` a lock file names (:func:`_holder_in`), a lock nobody holds now (the
+    caller's look), has ended, as far as this machine can tell. Written under this very kernel (its boot id,
     :func:`_kernel_boot`): yes, ``flock`` is that kernel's own and tells (containers share it,
     whatever their host names and pid namespaces: review 54r, a new container's rerun, or a
     restarted one's whose ampguard is pid 1 again, was refused the name for good). Else (another
@@ -544,7 +575,7 @@ def _ended_here(fd: int) -> bool:
     another machine sharing the folder, of the same host name, runs ampguard as pid 1 too; review 54l: some shared file systems keep each
     machine's locks to itself, Lustre ``localflock``, NFS ``local_lock``; a start-up on another
     machine shows no holder here, and its live folder was taken)."""
-    pid, host, kernel = _holder_in(fd)
+    pid, host, kernel = holder
     if kernel is not None and kernel == _kernel_boot():
         return True
     return pid is not None and host == socket.gethostname() and not _running(pid)
@@ -553,16 +584,10 @@ def _ended_here(fd: int) -> bool:
 def _kept_because(run_dir: Path) -> str:
     """Why a folder at a new run's name that holds nothing of a run is not taken over (review 54r:
     the refusal said only "already exists"): a clause for :func:`taken`, "" for any other folder."""
-    if not _mine_holding_nothing(run_dir) or RunPaths.existing(run_dir).writer() is not None:
+    holder = _holder_of(run_dir)
+    if holder is None or not _mine_holding_nothing(run_dir) or RunPaths.existing(run_dir).writer() is not None:
         return ""
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return ""
-    try:
-        pid, host, _ = _holder_in(fd)
-    finally:
-        os.close(fd)
+    pid, host, _ = holder
     holder = f"pid {pid}" + (f" on {shortened(shown(host), 80)}" if host else "") if pid else "a process"
     return (f" (it holds nothing of a run, only what a start-up leaves before its logs open, and its lock names "
             f"{holder}, of another machine or from before this one's last start, or an older ampguard's, which "
@@ -598,16 +623,8 @@ def _killed_start(run_dir: Path) -> bool:
     folder took the name for good."""
     if not _mine_holding_nothing(run_dir):
         return False
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return False
-    try:
-        if not _ended_here(fd):
-            return False
-    finally:
-        os.close(fd)
-    return RunPaths.existing(run_dir).writer() is None
+    holder = _holder_of(run_dir)
+    return holder is not None and _ended_here(holder) and RunPaths.existing(run_dir).writer() is None
 
 
 def _mine_holding_nothing(run_dir: Path) -> bool:
@@ -653,20 +670,13 @@ def _take_killed_start(run_dir: Path) -> bool:
     if fd is None:
         return False
     try:
-        patience = time.monotonic() + LOCK_PATIENCE_S  # (review 54l: tried once, a rerun beside a polling
-        while True:  # report was refused "already exists")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:  # (held: a reader's look, or its start-up lives)
-                if time.monotonic() >= patience:
-                    return False
-                time.sleep(0.005)
-            except OSError:  # (no locks here)
-                return False
-        pid = _pid_in(fd)
+        # (a reader's look waited out, review 54l: tried once, a rerun beside a polling report was refused)
+        if not _flock_exclusive(fd, time.monotonic() + LOCK_PATIENCE_S):  # (held still: its start-up lives; or no locks)
+            return False
+        holder = _holder_in(fd)
+        pid = holder[0]
         # (judged again, held: its lock's file still the folder's)
-        if not _names(run_dir / LOCK_FILE, fd) or not _mine_holding_nothing(run_dir) or not _ended_here(fd):
+        if not _names(run_dir / LOCK_FILE, fd) or not _mine_holding_nothing(run_dir) or not _ended_here(holder):
             return False
         aside = run_dir.with_name(_temporary_name(STAGING))
         try:
