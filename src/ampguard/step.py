@@ -1534,8 +1534,9 @@ class Guard:
         grads, loss, mark, pre, each, origin = self._unscale_and_measure(names)
         factor, post, carried = self._clip_before_read(grads, pre)  # the clip of them all (unused if any is skipped)
         # 2. the one host read: was the loss (seeded 0 in its backward) or a gradient non-finite?
-        # (it brings the clip factor where the host takes it from the norm read)
-        read, factor = self._read_back(loss, pre, factor, carried, mark, each, origin)
+        read = self._read_back(loss, pre, carried, mark, each, origin)
+        if carried is None:  # (the clip factor the host took from the norm read: carried by the read)
+            factor = read.carried
         skipped, applied = _partition(names, read)
         # the running statistics (BatchNorm's) back as the step found them when it skipped whole
         # (decided: a skip hook or an optimizer raising after this leaves them so too)
@@ -1563,22 +1564,21 @@ class Guard:
         self._zero_grad()  # 6. the gradients dropped, the record
         return self._record(names, skipped, read, lr, loss, pre, post)
 
-    def _read_back(self, loss: torch.Tensor, pre: torch.Tensor, factor: torch.Tensor | None, carried: torch.Tensor | None,
-                   mark: torch.Tensor, each: list[torch.Tensor], origin: torch.Tensor | None
-                   ) -> tuple[_Read, torch.Tensor | float | None]:
+    def _read_back(self, loss: torch.Tensor, pre: torch.Tensor, carried: torch.Tensor | None, mark: torch.Tensor,
+                   each: list[torch.Tensor], origin: torch.Tensor | None) -> _Read:
         """The one host read of the step: was the loss or a gradient non-finite (on any rank)?
         The values themselves come over, so it also brings the record's loss and norms, the
         scale and growth tracker the update will find (the host tells the new scale), and under
-        torchrun whose own loss it was. ``(read, factor)``: the clip factor as
-        :meth:`_clip_before_read` made it, or, where it left it to the host (``carried`` None), its
-        value from the norm read (:func:`clip_coefficient_value`; the read carries it, as it carries a
-        device factor's; none for a non-finite norm, which skips)."""
+        torchrun whose own loss it was. Where :meth:`_clip_before_read` left the clip factor to the
+        host (``carried`` None), the read's ``carried`` is its value from the norm read
+        (:func:`clip_coefficient_value`; None for a non-finite norm, which skips), as it is a device
+        factor's otherwise."""
         scaling = self.scaler.update_inputs(pre.device)
         values = [loss, pre, *(() if carried is None else (carried,)), mark, *scaling, *each,
                   *(origin.unbind() if origin is not None else ())]
         loss_v, pre_v, *rest = torch.stack(values).tolist()
         if carried is None:  # the factor on the host
-            carried_v = factor = clip_coefficient_value(pre_v, self.max_norm, pre.dtype) if math.isfinite(pre_v) else None  # type: ignore[arg-type]
+            carried_v = clip_coefficient_value(pre_v, self.max_norm, pre.dtype) if math.isfinite(pre_v) else None  # type: ignore[arg-type]
         else:
             carried_v = rest.pop(0)
         mark_v = rest.pop(0)
@@ -1587,7 +1587,7 @@ class Guard:
             *rest, ranks, code = rest
             loss_on = loss_origin(ranks, code, distributed.current().world_size) if bad_loss else None
         return _Read(loss_v, pre_v, carried_v, bad_loss, [not math.isfinite(v) for v in rest[len(scaling):]],  # type: ignore[arg-type]
-                     rest[:len(scaling)], loss_on), factor
+                     rest[:len(scaling)], loss_on)
 
     def _step_optimizers(self, applied: tuple[str, ...]) -> None:
         """``optimizer.step()`` of each applied one (what ``scaler.step()`` does once found_inf
