@@ -911,7 +911,7 @@ class RunMonitor:
       only once ``min(min_steps, window)`` steps were seen, so a few skips early in the run (k
       of the first n steps read k/n) do not raise it. A rollback's fresh window (:meth:`restart_windows`)
       does not disarm it: while that window holds fewer than ``min(min_steps, window)`` steps
-      its k skips count over that many (:meth:`_alert_judged`), and an ALERT up stays up.
+      its k skips count over that many (:meth:`_young_after_restart`), and an ALERT up stays up.
     - A ``fail_rate`` changed mid-run (a resume with another ``monitor.fail_rate``, a replayed
       policy change) counts the consecutive steps above it again, from the judged rates of the
       steps since the window (re)started (:attr:`fail_rate`; kept as runs, not one per step).
@@ -1260,13 +1260,13 @@ class RunMonitor:
     def _events(self, step: int, rate: float, over: str, scale: float, skipped: bool, overflowed: bool,
                 ran_with: float | None = None) -> list[Event]:
         events: list[Event] = []
-        alert_rate, alert_over, young = self._alert_judged(rate, over)
-        data = {"skip_rate": alert_rate, "window": self.window}
-        if alert_rate > self.alert_rate and not self.alerting and self.alert_armed:
+        young = self._young_after_restart()
+        data = {"skip_rate": rate, "window": self.window}
+        if rate > self.alert_rate and not self.alerting and self.alert_armed:
             self.alerting = True
             self.alert_episodes += 1
             events.append(Event(step, "skip_rate_alert", (
-                f"rolling skip rate {alert_rate:.3f} > alert_rate {self.alert_rate:g} {alert_over}"), data))
+                f"rolling skip rate {rate:.3f} > alert_rate {self.alert_rate:g} {over}"), data))
         # (the clear level worked out only while alerting; a window a rollback restarted clears once it
         # holds min_steps steps: one clean step after the rollback, 0 of 1, is no rate yet)
         elif self.alerting and not young and rate <= self.clear_rate:
@@ -1507,7 +1507,7 @@ class RunMonitor:
         (the fail-fast counters restart at 0, and the judged rates kept for a new ``fail_rate``
         are forgotten). The ALERT stays armed (:attr:`alert_armed`: the run's steps) and an
         ALERT up stays up: until the new window holds ``min(min_steps, window)`` steps every
-        guard judges it as :meth:`_alert_judged` says (k skips over that many steps, not k of the
+        guard judges it as :meth:`_young_after_restart` says (k skips over that many steps, not k of the
         few seen: the fail-fast, :attr:`skip_rate`, the max rates; review 54k), and the ALERT
         clears only then; the end's judgement counts what it held (:meth:`at_end`).
 
@@ -1558,7 +1558,7 @@ class RunMonitor:
         window smaller than ``min_steps`` is full, its rate the seed's, after ``window`` steps: a
         burst of skips that filled it and left it before ``min_steps`` was never judged, its max
         rolling rate 1.0 beside no ALERT). A rollback (:meth:`restart_windows`) does not disarm
-        it: its young window is judged as :meth:`_alert_judged` says.
+        it: its young window is judged as :meth:`_young_after_restart` says.
 
         Example::
 
@@ -1574,22 +1574,14 @@ class RunMonitor:
 
     def _young_after_restart(self) -> int:
         """``min(min_steps, window)`` while a window a rollback restarted (:meth:`restart_windows`)
-        holds fewer steps than that, else 0."""
-        settle = min(self.min_steps, self.window)
-        count = self.skip_window.count
-        return settle if count < settle and count < self.observed else 0
-
-    def _alert_judged(self, rate: float, over: str) -> tuple[float, str, int]:
-        """The rate the ALERT judges, its words, and the steps a restarted window waits for
-        (0: none; see :meth:`_young_after_restart`): the judged rate (:attr:`judged_skip_rate`),
-        which in a window a rollback restarted that holds n < ``min(min_steps, window)`` steps
-        counts its k skips over that many steps, what the window reads once it holds them if no
-        other skip comes: k of the first n steps after a rollback read k/n as they do from step 1
-        (the reason for ``min_steps``), so one skip just after a rollback is no ALERT, while a rate
-        the window is sure to be above pages as soon as it is sure, not ``min_steps`` later. (Review
-        54k: that count was the ALERT's alone; the fail-fast, the max rate on the card and the STATS
-        line read 1 of 1, and one skip after a spike's rollback failed a healthy run. It is the
-        judged rate's now, and :attr:`skip_rate`'s: every guard reads one rate.)
+        holds fewer steps than that, else 0: the steps over which every guard counts its k skips
+        (:meth:`_judged`, :attr:`skip_rate`), what the window reads once it holds them if no other
+        skip comes. k of the first n steps after a rollback read k/n as they do from step 1 (the
+        reason for ``min_steps``), so one skip just after a rollback is no ALERT nor fail-fast,
+        while a rate the window is sure to be above pages as soon as it is sure, not ``min_steps``
+        later; an ALERT up clears only once the window holds them. (Review 54k: that count was the
+        ALERT's alone; the fail-fast, the max rate on the card and the STATS line read 1 of 1, and
+        one skip after a spike's rollback failed a healthy run.)
 
         Example (a rollback after step 100; then a skip every other step)::
 
@@ -1608,7 +1600,9 @@ class RunMonitor:
             >>> print(m._judged()[1])
             counting the 15 skips in the 30 steps since the window restarted after step 100 (a rollback) over 100 steps: what it reads once it holds them
         """
-        return rate, over, self._young_after_restart()
+        settle = min(self.min_steps, self.window)
+        count = self.skip_window.count
+        return settle if count < settle and count < self.observed else 0
 
     @property
     def skip_rate(self) -> float:

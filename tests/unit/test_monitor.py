@@ -750,7 +750,7 @@ def test_monitor_refuses_a_floor_that_is_not_a_positive_number(floor):
 
 def test_monitor_restart_windows_restarts_the_fail_counters_and_keeps_the_alert_armed_and_up():
     # (review_38e F2: a rollback used to disarm the ALERT for min_steps steps and clear an ALERT at the
-    # first clean step after it; it stays armed, and the ALERT up stays up, judged by _alert_judged)
+    # first clean step after it; it stays armed, and the ALERT up stays up, judged by _young_after_restart)
     m = RunMonitor(window=100, alert_rate=0.1, fail_rate=0.5, fail_after=4, scaler_enabled=False, min_steps=3)
     for r in every_step_skips(3):
         m.observe(r)
