@@ -83,7 +83,6 @@ checkpoint of another run. Checkpoints written before run ids have none."""
 STATE_KEYS = ("scaler", "step", "updates", "precision", "accumulation_steps", "monitors")
 """The keys :meth:`ampguard.step.AmpTrainState.state_dict` writes under :data:`STATE`."""
 
-RESUME_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG, DATA, ROLLBACKS)
 ROLLBACK_PARTS = (MODEL, OPTIMIZER, SCHEDULER, STATE, RNG)
 """A rollback returns the training state; the data position and the rollback log go on."""
 

@@ -703,14 +703,9 @@ def read_card(card: Path, *, errors: str = "strict") -> tuple[str, dict[str, str
     return (bold[0] if bold else "unknown"), rows
 
 
-def card_ended(card: Path, *, errors: str = "strict") -> str:
-    """Why the run ended (:func:`read_card`'s first half)."""
-    return read_card(card, errors=errors)[0]
-
-
 def trainer_card_ended(card: Path, *, errors: str = "strict") -> str:
-    """Why the run ended, as :func:`card_ended` reads it, or, on a card without the bold line, as
-    its ``ended`` row says (a Hugging Face Trainer's card: ``finished: 10 steps (exit 0)``).
+    """Why the run ended, as the card's bold line says (:func:`read_card`'s first half), or, on a
+    card without the bold line, as its ``ended`` row says (a Hugging Face Trainer's card: ``finished: 10 steps (exit 0)``).
 
     Example::
 
@@ -719,7 +714,7 @@ def trainer_card_ended(card: Path, *, errors: str = "strict") -> str:
         ...     card = Path(d) / "RUN.md"
         ...     _ = card.write_text("# ampguard run card (Hugging Face Trainer)\\n\\n| | |\\n|---|---|\\n"
         ...                         "| ended | finished: 10 steps (exit 0) |\\n")
-        ...     card_ended(card), trainer_card_ended(card)
+        ...     read_card(card)[0], trainer_card_ended(card)
         ('unknown', 'finished: 10 steps (exit 0)')
     """
     ended, table = read_card(card, errors=errors)
