@@ -89,9 +89,9 @@ def load_run(path: str | Path) -> RunSummary:
     if not folder.is_dir():
         raise InputError(f"compare: {folder} is not a folder" if folder.exists()
                          else f"compare: no such folder {folder}")
-    pid = RunPaths.existing(folder).writer()
-    if pid is not None:  # (its card is from before this process began: the table would mix it with live rows)
-        raise InputError(f"compare: {folder} is being written by another process (pid {pid}); compare it once "
+    writer = RunPaths.existing(folder).writer_named()
+    if writer is not None:  # (its card is from before this process began: the table would mix it with live rows)
+        raise InputError(f"compare: {folder} is being written by another process ({writer}); compare it once "
                          "that run ends")
     for name, what in (("steps.csv", "per-step CSV"), ("RUN.md", "run card"), ("config.yaml", "config")):
         if not (folder / name).is_file():

@@ -1785,9 +1785,9 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     config = read_run_config(config_path) if config_path.is_file() else Config()
     folder = RunPaths.existing(csv_path.parent)
     log = LoggedEvents(csv_path.parent)  # (read once, at its first question: one history for every figure)
-    pid = folder.writer()
-    if pid is not None:  # (a live run, looked at: fine, said)
-        print(f"note: {csv_path.parent} is being written by another process (pid {pid}): the figures are as of "
+    writer = folder.writer_named()
+    if writer is not None:  # (a live run, looked at: fine, said)
+        print(f"note: {csv_path.parent} is being written by another process ({writer}): the figures are as of "
               "its last row; the run has not ended")
     elif config_path.is_file() and folder.card.exists() and not folder.card.is_file():  # (a folder, a pipe: no card)
         print(f"note: {folder.card} is not a file (a folder?): no run card read; how the run ended is not known here")

@@ -48,6 +48,9 @@ LOCK_FILE = ".ampguard.lock"
 its kernel's boot id in it (:func:`_holder_line`); the kernel lets go of it when that process
 ends, however it ends."""
 
+Holder = tuple[str | None, str | None, str | None]
+"""What a lock file names (:func:`_holder_in`): its holder's pid, host name and kernel boot id."""
+
 LOCK_PATIENCE_S = 0.15
 """How long :meth:`RunPaths.lock` tries again before it refuses: a reader's look at the lock
 (:meth:`RunPaths.writer`) holds it shared for microseconds, a run that trains for its whole run."""
@@ -259,9 +262,9 @@ class RunPaths:
                 os.close(fd)
                 return
             if not held:
-                pid = _pid_in(fd)
+                holder = _holder_in(fd)
                 os.close(fd)
-                raise self._busy(pid)
+                raise self._busy(holder)
             if _names(path, fd) or retakes >= MAX_RETAKES:  # (a file system whose stat and fstat never agree: held
                 break  # as before, not a loop for ever, review 52l; counted, not timed: a holder letting go at the
             retakes += 1  # patience's end left a second writer, review 52n)
@@ -275,8 +278,9 @@ class RunPaths:
             os.write(fd, _holder_line().encode("utf-8", "surrogateescape"))
         self._lock = fd
 
-    def _busy(self, pid: str | None) -> InputError:
-        held = f" (pid {pid})" if pid else ""
+    def _busy(self, holder: Holder) -> InputError:
+        named = _holder_named(holder)
+        held = f" ({named})" if named else ""
         return InputError(f"run folder {self.dir} is being written by another process{held}: wait for it to end, "
                           "or stop it, before you resume it")
 
@@ -284,14 +288,15 @@ class RunPaths:
         """One :class:`InputError` line while another process trains in this folder (:meth:`writer`),
         the one :meth:`lock` gives: a resume says so before it looks for a checkpoint (a run
         still in its first steps has none yet, and "no checkpoint" sent the user looking for one)."""
-        pid = self.writer()
-        if pid is not None:
-            raise self._busy(pid)
+        holder = self._live_holder()
+        if holder is not None:
+            raise self._busy(holder)
 
     def writer(self) -> str | None:
-        """The pid of the process that trains in this folder now (it holds :meth:`lock`), or None:
-        nobody does, or it cannot be told (no lock file, a file system without locks). Takes no
-        lock itself. What ``report`` and ``compare`` ask before they read a run as if it had ended.
+        """The pid of the process that trains in this folder now (it holds :meth:`lock`), ``"?"``
+        where its lock file names none, or None: nobody does, or it cannot be told (no lock file,
+        a file system without locks). Takes no lock itself. What ``report`` and ``compare`` ask
+        before they read a run as if it had ended (:meth:`writer_named`: in their words).
 
         Example::
 
@@ -303,6 +308,28 @@ class RunPaths:
             True
             >>> paths.unlock(); paths.dir.rmdir()
         """
+        holder = self._live_holder()
+        return None if holder is None else holder[0] or "?"
+
+    def writer_named(self) -> str | None:
+        """:meth:`writer` in a message's words: ``pid N``, ``on HOST`` after it where its lock names
+        a host other than this one (:func:`_holder_named`, as the takeover's refusal names it),
+        ``pid ?`` where it names no pid; None when nobody writes the folder (or it cannot be told).
+
+        Example::
+
+            >>> import tempfile
+            >>> paths = RunPaths.existing(Path(tempfile.mkdtemp()))
+            >>> paths.lock(); RunPaths.existing(paths.dir).writer_named() == f"pid {os.getpid()}"  # (this host's)
+            True
+            >>> paths.unlock(); paths.dir.rmdir()
+        """
+        holder = self._live_holder()
+        return None if holder is None else _holder_named(holder) or "pid ?"
+
+    def _live_holder(self) -> Holder | None:
+        """What the lock file of the process that trains in this folder now names (:func:`_holder_in`),
+        or None when nobody does or it cannot be told (:meth:`writer`)."""
         if self.dir is None or fcntl is None:
             return None
         fd = _open_to_read(self.dir / LOCK_FILE)
@@ -314,7 +341,7 @@ class RunPaths:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return _pid_in(fd) or "?"
+                return _holder_in(fd)
             except OSError:
                 return None
             return None  # (got it: nobody holds it; closing lets go)
@@ -517,11 +544,6 @@ def _names(path: Path, fd: int) -> bool:
     return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
-def _pid_in(fd: int) -> str | None:
-    """The pid a lock file's holder wrote in it (:meth:`RunPaths.lock`), or None when it holds none."""
-    return _holder_in(fd)[0]
-
-
 def _holder_line() -> str:
     """What a lock's holder writes in its file: ``PID HOST``, and on Linux a second line,
     ``kernel BOOT_ID``, the running kernel's boot id (:func:`_kernel_boot`)."""
@@ -540,7 +562,7 @@ def _kernel_boot() -> str | None:
         return None
 
 
-def _holder_of(run_dir: Path) -> tuple[str | None, str | None, str | None] | None:
+def _holder_of(run_dir: Path) -> Holder | None:
     """:func:`_holder_in` of ``run_dir``'s lock file, or None where it has none to read."""
     fd = _open_to_read(run_dir / LOCK_FILE)
     if fd is None:
@@ -551,7 +573,7 @@ def _holder_of(run_dir: Path) -> tuple[str | None, str | None, str | None] | Non
         os.close(fd)
 
 
-def _holder_in(fd: int) -> tuple[str | None, str | None, str | None]:
+def _holder_in(fd: int) -> Holder:
     """The pid, the host's name and the kernel's boot id a lock file's holder wrote in it
     (:meth:`RunPaths.lock`: :func:`_holder_line`; an older ampguard's, the pid alone), each None
     where it holds none. A pid is ASCII digits (review 54r: ``²`` passed ``isdigit()`` and its
@@ -564,7 +586,27 @@ def _holder_in(fd: int) -> tuple[str | None, str | None, str | None]:
     return pid, host, kernel or None
 
 
-def _ended_here(holder: tuple[str | None, str | None, str | None]) -> bool:
+def _holder_named(holder: Holder) -> str | None:
+    r"""The process a lock file names (:func:`_holder_in`) in a message's words: ``pid N``, with
+    ``on HOST`` where the host it names is not this one (another machine's, another container's:
+    its pid means nothing here), escaped and shortened (a lock file's text is any bytes); None
+    where it names no pid. Every message that names a folder's holder names it so.
+
+    Example::
+
+        >>> _holder_named(("12", "gpu-node-7", None)), _holder_named(("12", socket.gethostname(), None))
+        ('pid 12 on gpu-node-7', 'pid 12')
+        >>> print(_holder_named(("12", "a\x1bb", None)), _holder_named((None, None, None)))
+        pid 12 on 'a\x1bb' None
+    """
+    pid, host, _ = holder
+    if pid is None:
+        return None
+    elsewhere = host is not None and host != socket.gethostname()
+    return f"pid {pid}" + (f" on {shortened(shown(host), 80)}" if elsewhere else "")
+
+
+def _ended_here(holder: Holder) -> bool:
     """Whether the ``holder`` a lock file names (:func:`_holder_in`), a lock nobody holds now (the
     caller's look), has ended, as far as this machine can tell. Written under this very kernel (its boot id,
     :func:`_kernel_boot`): yes, ``flock`` is that kernel's own and tells (containers share it,
@@ -587,10 +629,8 @@ def _kept_because(run_dir: Path) -> str:
     holder = _holder_of(run_dir)
     if holder is None or not _mine_holding_nothing(run_dir) or RunPaths.existing(run_dir).writer() is not None:
         return ""
-    pid, host, _ = holder
-    holder = f"pid {pid}" + (f" on {shortened(shown(host), 80)}" if host else "") if pid else "a process"
     return (f" (it holds nothing of a run, only what a start-up leaves before its logs open, and its lock names "
-            f"{holder}, of another machine or from before this one's last start, or an older ampguard's, which "
+            f"{_holder_named(holder) or 'a process'}, of another machine or from before this one's last start, or an older ampguard's, which "
             f"cannot be told here to have ended: remove the folder if that start-up runs no more)")
 
 
@@ -674,7 +714,6 @@ def _take_killed_start(run_dir: Path) -> bool:
         if not _flock_exclusive(fd, time.monotonic() + LOCK_PATIENCE_S):  # (held still: its start-up lives; or no locks)
             return False
         holder = _holder_in(fd)
-        pid = holder[0]
         # (judged again, held: its lock's file still the folder's)
         if not _names(run_dir / LOCK_FILE, fd) or not _mine_holding_nothing(run_dir) or not _ended_here(holder):
             return False
@@ -688,7 +727,8 @@ def _take_killed_start(run_dir: Path) -> bool:
         shutil.rmtree(aside, ignore_errors=True)
     finally:
         os.close(fd)
-    by = f" (pid {pid})" if pid else ""
+    named = _holder_named(holder)
+    by = f" ({named})" if named else ""
     warnings.warn(f"run folder {run_dir} held nothing of a run: a start-up killed before its logs opened{by} "
                   "left it; it is taken for this run", AmpguardWarning, stacklevel=3)
     return True
