@@ -1152,6 +1152,9 @@ class RunMonitor:
             # the windows were last restarted by the skip guard's rollback (its fail-fast, turned into a
             # rollback): at_end judges the steps since it (review 53l)
             "restarted_by_skip_guard": False,
+            # the loss scale a resume took over from a stock fp16 checkpoint (begin_at): the opening search
+            # starts from it, not from init_scale (review 55f: the end's ALERT said "down from init_scale")
+            "taken_over_scale": None,
         }
 
     # -------------------------------------------------------------- per record
@@ -1371,7 +1374,9 @@ class RunMonitor:
         data = {"skip_rate": rate, "window": self.window}
         never = ""
         if unsettled and self.in_opening:
-            never = (f"no step applied in {run(observed)}: the fp16 loss scale's search down from init_scale "
+            start = "init_scale" if self.taken_over_scale is None else (
+                f"{self.taken_over_scale:g}, the scale taken over from the checkpoint's stock GradScaler,")
+            never = (f"no step applied in {run(observed)}: the fp16 loss scale's search down from {start} "
                      f"never found a scale (now {self.health.scale:g})")
         elif unsettled:
             never = (f"no step applied in {run(observed)} ({self.skips_text()}): its opening "
@@ -1475,12 +1480,16 @@ class RunMonitor:
         self.restarted_by_skip_guard = skip_guard or self.restarted_by_skip_guard
         return undone
 
-    def begin_at(self, step: int) -> None:
+    def begin_at(self, step: int, taken_over: float | None = None) -> None:
         """Take a run over after its ``step`` without this monitor's state (a resume from a
         checkpoint saved without it): its steps 1 to ``step`` were not observed. :attr:`steps`
         goes on from there, the last step's number as after a resume with the state, and the
         counts, rates and the end's judgement cover the steps observed (:attr:`observed`, their
         first ``unobserved + 1``): 2 skips in the 2 steps after step 38 are a skip rate of 1, not 2/40.
+        ``taken_over``: the loss scale the resume took over from a stock fp16 checkpoint's
+        GradScaler (:func:`~ampguard.precision.take_over_stock_scale`), the one this monitor was
+        made with: the opening search starts from it, and the end's words say so (saved with the
+        state: :attr:`taken_over_scale`).
 
         Example::
 
@@ -1500,7 +1509,11 @@ class RunMonitor:
                              "already (begin_at is for a fresh one)")
         if not whole_number(step):
             raise ValueError(f"RunMonitor.begin_at: step must be an int >= 0, got {step!r}")
+        if taken_over is not None and not (finite_number(taken_over) and 0 < taken_over <= MAX_SCALE):
+            raise ValueError(f"RunMonitor.begin_at: taken_over must be a loss scale in (0, {MAX_SCALE:g}], "
+                             f"got {taken_over!r}")
         self.steps = self.unobserved = int(step)
+        self.taken_over_scale = None if taken_over is None else float(taken_over)
 
     def restart_windows(self) -> None:
         """Forget the rolling skip window (after a rollback): the run starts its judging afresh
@@ -1855,7 +1868,7 @@ class RunMonitor:
         "steps", "updates", "clipped", "alerting", "scale_alerting", "alert_episodes", "max_skip_rate",
         "above_fail", "at_floor_skipped", "opening", "in_opening", "opening_settled", "first_loss", "best_loss",
         "eval_last", "eval_best", "max_rolling_skip_rate", "final_loss", "final_loss_step", "unobserved",
-        "restarted_by_skip_guard",
+        "restarted_by_skip_guard", "taken_over_scale",
     )
     # new name -> its name in older states (an older state's judged maximum is the closest it holds)
     _RENAMED = {"at_floor_skipped": "below_min_scale", "max_rolling_skip_rate": "max_skip_rate"}
@@ -2036,6 +2049,9 @@ class RunMonitor:
         for name in ("max_skip_rate", "max_rolling_skip_rate"):
             rate = scalars[name]
             _need(finite_number(rate) and 0 <= rate <= 1, f"{where}{name}", rate, "a number in [0, 1]")
+        taken = scalars["taken_over_scale"]
+        _need(taken is None or (finite_number(taken) and 0 < taken <= MAX_SCALE), f"{where}taken_over_scale", taken,
+              f"a loss scale in (0, {MAX_SCALE:g}] or None")
         if "fail_rate" in state:
             rate = state["fail_rate"]
             _need(rate is None or (finite_number(rate) and 0 <= rate <= 1), f"{where}fail_rate", rate,

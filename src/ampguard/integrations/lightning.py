@@ -458,7 +458,7 @@ class AmpGuardPlugin(_LightningPrecision):
         scaler = precision.make_scaler(**self.scaler_settings)
         # (review 54m: a stock fp16 checkpoint's scale was thrown away; taken before the monitor is made, whose
         # scale health starts from the scale the fit goes on with)
-        taken = self._take_over_stock_scale(scaler) if not self._loaded else None
+        taken, took = self._take_over_stock_scale(scaler) if not self._loaded else (None, None)
         guard = Guard(module, optimizers, precision=precision, max_norm=self.max_norm,
                       accumulation_steps=self._accumulation, scaler=scaler, frozen=self.frozen)
         # (review 53i: a crash here ended with "the next guard.backward() begins a new step", the note
@@ -481,8 +481,9 @@ class AmpGuardPlugin(_LightningPrecision):
         elif trainer.ckpt_path is not None:
             guard.steps = self._resumed_at = trainer.global_step
             # (the monitor observes from the next step: its counts and the end's judgement cover the steps
-            # it saw; it took the earlier ones as seen, and two all-skipped steps after step 38 were 2/40)
-            monitor.begin_at(trainer.global_step)
+            # it saw; it took the earlier ones as seen, and two all-skipped steps after step 38 were 2/40; its
+            # opening search starts from a scale taken over, review 55f: the end said "down from init_scale")
+            monitor.begin_at(trainer.global_step, taken_over=took)
             if trainer.global_step:
                 scale = taken or ("the loss scale starts again at init_scale and " if scaler.is_enabled() else "")
                 rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
@@ -499,23 +500,23 @@ class AmpGuardPlugin(_LightningPrecision):
         self._hook_schedulers(module)
         return guard
 
-    def _take_over_stock_scale(self, scaler: GuardedGradScaler) -> str | None:
+    def _take_over_stock_scale(self, scaler: GuardedGradScaler) -> tuple[str | None, float | None]:
         """Load the scale and the growth tracker of the stock ``MixedPrecision``'s GradScaler state
         a resumed checkpoint held (:meth:`on_load_checkpoint`) into the guard's new ``scaler``, and
-        say so: the clause the resume's warning gives (``None``: there was none). This plugin's
-        settings are kept, named where the checkpoint's differ
-        (:func:`~ampguard.precision.take_over_stock_scale`, the GuardedTrainer's too)."""
+        say so: the clause the resume's warning gives (``None``: there was none) and the scale
+        taken over (``None``: none was). This plugin's settings are kept, named where the
+        checkpoint's differ (:func:`~ampguard.precision.take_over_stock_scale`, the GuardedTrainer's too)."""
         if self._stock is None:
-            return None
+            return None, None
         key, state = self._stock
         self._stock = None  # (the guard's scaler holds it now: a save takes it from there)
         if state is None or not scaler.is_enabled():
             shown = {v: k for k, v in _NAMES.items() if "-" in k}[self.name]
-            return f"its {key} loss scale is not used (this fit is {shown}, with no loss scaler); "
+            return f"its {key} loss scale is not used (this fit is {shown}, with no loss scaler); ", None
         # (review 54s: the take-over is precision.py's, shared with the HF GuardedTrainer's scaler.pt)
         taken, kept = take_over_stock_scale(scaler, state, "this plugin's")
         return f"the loss scale takes over its GradScaler's {taken} (Lightning's {key!r} state" + (
-            f"; {kept}" if kept else "") + ") and "
+            f"; {kept}" if kept else "") + ") and ", scaler.get_scale()
 
     def _open_sinks(self, trainer: pl.Trainer) -> list[Sink]:
         sinks: list[Sink] = []

@@ -449,11 +449,13 @@ class AmpGuardCallback(TrainerCallback):
             except (ValueError, KeyError, TypeError) as err:
                 raise InputError(f"{resume[2]}/{STATE_NAME}: the monitor's state does not fit this callback: "
                                  f"{first_line(err)}") from None
-        if (resume is None or resume[1] is None) and state.global_step > 0:
+        taken_over = resume[4] if resume is not None else None  # (a stock scaler.pt's scale, taken over)
+        if (resume is None or resume[1] is None) and (state.global_step > 0 or taken_over is not None):
             # no monitor state for steps 1..N (a stock Trainer's checkpoint, GuardedTrainer's save_only_model one):
             # the monitor observes from N + 1, and its counts, rates and the end's judgement cover the steps it
-            # sees (it took N as seen: "steps / updates 8 / 3" with no skip, 2 all-skipped steps judged as 2/40)
-            monitor.begin_at(state.global_step)
+            # sees (it took N as seen: "steps / updates 8 / 3" with no skip, 2 all-skipped steps judged as 2/40);
+            # its opening search starts from the scale taken over (review 55f: the end said "from init_scale")
+            monitor.begin_at(state.global_step, taken_over=taken_over)
         self.monitor, self.failed, self.crash, self.ended, self._ended = monitor, None, None, "", False
         # a resume's counts at its run's last log before the checkpoint (an older state has none: all logged)
         self._logged_skips, self._logged_steps = sum(monitor.skips.values()), monitor.steps
@@ -531,7 +533,7 @@ class AmpGuardCallback(TrainerCallback):
         if resume is not None:
             step, saved, source, _, _, scale_note = resume
             unseen = (f"the monitor observes from step {step + 1} (its counts and judgement leave steps 1 to {step} "
-                      "out)")
+                      "out)") if step else "the monitor observes every step (saved before any)"  # (it said "1 to 0")
             if not source:  # (a stock Trainer's)
                 source, note = "the checkpoint", (
                     f"; a stock Trainer's checkpoint holds no ampguard state ({STATE_NAME}, GuardedTrainer's): "
