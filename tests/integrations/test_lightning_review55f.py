@@ -3,6 +3,9 @@
 - After a take-over the fp16 search for a scale starts from the scale taken over: a resumed fit
   whose every step overflowed ended with an ALERT saying the search "down from init_scale" never
   found one. The monitor keeps the scale it took over (saved with its state), and says it.
+- At ``global_step`` 0 (a checkpoint saved before any step) the scale was taken over unsaid (the
+  resume's warning is given only after a step): it is said as at any other step; a checkpoint of
+  no step and no stock scale still begins as a fresh fit, with nothing to say.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 from test_lightning import Digits, fit
-from test_lightning_review54m import STOCK, _stock_checkpoint
+from test_lightning_review54m import STOCK, _resumed, _stock_checkpoint
 
-pytest.importorskip("lightning")
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from ampguard.errors import AmpguardWarning  # noqa: E402
 from ampguard.integrations.lightning import AmpGuardPlugin  # noqa: E402
@@ -50,3 +56,39 @@ def test_the_end_s_alert_names_the_scale_taken_over_as_where_the_search_began(tm
     assert any("search down from 512, the scale taken over from the checkpoint's stock GradScaler, never found a "
                "scale (now 64)" in line for line in said), said
     assert not any("init_scale" in line for line in said), said
+
+
+def _at_start(tmp_path, name, plugin):
+    """A checkpoint ``plugin``'s fit saves before its first step (``global_step`` 0)."""
+
+    class SaveAtStart(L.Callback):
+        def on_train_start(self, trainer, module):
+            trainer.save_checkpoint(tmp_path / name)
+
+    fit(Digits(hidden=8), plugin, steps=1, callbacks=[SaveAtStart()])
+    assert torch.load(tmp_path / name, weights_only=False)["global_step"] == 0
+    return tmp_path / name
+
+
+def test_a_stock_scale_taken_over_at_global_step_0_is_said_as_at_any_step(tmp_path):
+    """The stock state of no step holds its own init_scale (1024) and tracker 0: taken over as at
+    any step (the checkpoint's scaler state goes on), and said, the plugin's init_scale 64 set aside
+    in plain sight. A step-0 checkpoint without a stock scale (fp32) resumes as a fresh fit, unsaid."""
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **STOCK))
+    ckpt = _at_start(tmp_path, "stock-0.ckpt", stock)
+    assert torch.load(ckpt, weights_only=False)["MixedPrecision"]["_growth_tracker"] == 0
+    scales, said = _resumed(AmpGuardPlugin("16-mixed", scaler={**STOCK, "init_scale": 64.0}), ckpt, steps=2)
+    assert scales == [1024.0, 1024.0]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith("AmpGuardPlugin: stock-0.ckpt holds no ampguard state (saved without the plugin): "
+                              "steps go on from its global_step 0; the loss scale takes over its GradScaler's scale "
+                              "1024 and growth tracker 0 (Lightning's 'MixedPrecision' state)"), said
+    plain = _at_start(tmp_path, "fp32-0.ckpt", L.pytorch.plugins.precision.Precision())
+    scales, said = _resumed(AmpGuardPlugin("16-mixed", scaler={"init_scale": 64.0}), plain, steps=2)
+    assert scales == [64.0, 64.0] and said == []
+
+
+def test_a_bf16_fit_says_it_leaves_a_step_0_stock_scale_unused(tmp_path):
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **STOCK))
+    scales, said = _resumed(AmpGuardPlugin("bf16-mixed"), _at_start(tmp_path, "stock-0.ckpt", stock), steps=1)
+    assert len(said) == 1 and "its MixedPrecision loss scale is not used (this fit is bf16-mixed" in said[0], said

@@ -484,7 +484,9 @@ class AmpGuardPlugin(_LightningPrecision):
             # it saw; it took the earlier ones as seen, and two all-skipped steps after step 38 were 2/40; its
             # opening search starts from a scale taken over, review 55f: the end said "down from init_scale")
             monitor.begin_at(trainer.global_step, taken_over=took)
-            if trainer.global_step:
+            # (review 55f: a stock scale taken over, or left unused, at global_step 0 went unsaid: said as at any
+            # step; a checkpoint of no step and no stock scale begins as a fresh fit, nothing to say)
+            if trainer.global_step or taken:
                 scale = taken or ("the loss scale starts again at init_scale and " if scaler.is_enabled() else "")
                 rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
                                f"without the plugin): steps go on from its global_step {trainer.global_step}; "
