@@ -6,6 +6,10 @@
 - At ``global_step`` 0 (a checkpoint saved before any step) the scale was taken over unsaid (the
   resume's warning is given only after a step): it is said as at any other step; a checkpoint of
   no step and no stock scale still begins as a fresh fit, with nothing to say.
+- Lightning saves a precision plugin's state under its class's ``__qualname__``: a user's
+  ``MixedPrecision`` subclass's GradScaler state is under its own name, and the take-over looked
+  only for ``"MixedPrecision"`` (the scale restarted at ``init_scale``). An entry whose keys are a
+  GradScaler's is taken over under any name when the named ones are absent; two are refused.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from ampguard.errors import AmpguardWarning  # noqa: E402
 from ampguard.integrations.lightning import AmpGuardPlugin  # noqa: E402
 from ampguard.precision import SlowPrecisionWarning  # noqa: E402
+
+
+class MyAMP(MixedPrecision):
+    """A user's own fp16 plugin: Lightning keys its state ``"MyAMP"``."""
 
 
 def _alerts(run):
@@ -92,3 +100,38 @@ def test_a_bf16_fit_says_it_leaves_a_step_0_stock_scale_unused(tmp_path):
     stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **STOCK))
     scales, said = _resumed(AmpGuardPlugin("bf16-mixed"), _at_start(tmp_path, "stock-0.ckpt", stock), steps=1)
     assert len(said) == 1 and "its MixedPrecision loss scale is not used (this fit is bf16-mixed" in said[0], said
+
+
+def _subclass_checkpoint(tmp_path):
+    """A fit with the user's ``MyAMP``: its GradScaler's state under ``"MyAMP"``, none under
+    ``"MixedPrecision"`` (one overflow at step 2: 1024 -> 512, then 2 clean steps)."""
+    plugin = MyAMP("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **STOCK))
+    fit(Digits(hidden=8, faults=["inf_grad@2"]), plugin, steps=4).save_checkpoint(tmp_path / "mine.ckpt")
+    saved = torch.load(tmp_path / "mine.ckpt", weights_only=False)
+    assert "MixedPrecision" not in saved and (saved["MyAMP"]["scale"], saved["MyAMP"]["_growth_tracker"]) == (512, 2)
+    return tmp_path / "mine.ckpt"
+
+
+def test_a_mixed_precision_subclass_s_scale_is_taken_over_under_its_own_name(tmp_path):
+    scales, said = _resumed(AmpGuardPlugin("16-mixed", scaler=STOCK), _subclass_checkpoint(tmp_path), steps=7)
+    assert scales == [512.0, 512.0, 1024.0]  # (2 clean steps counted before the save, 3 after: grown at step 7)
+    assert len(said) == 1 and ("the loss scale takes over its GradScaler's scale 512 and growth tracker 2 "
+                               "(Lightning's 'MyAMP' state)") in said[0], said
+
+
+def test_two_gradscaler_states_of_other_names_are_refused_in_one_line(tmp_path):
+    ckpt = _subclass_checkpoint(tmp_path)
+    saved = torch.load(ckpt, weights_only=False)
+    saved["OtherAMP"] = {**saved["MyAMP"], "scale": 64.0}
+    torch.save(saved, ckpt)
+    module, plugin = Digits(hidden=8), AmpGuardPlugin("16-mixed", scaler=STOCK)
+    with pytest.raises(ValueError) as refused:
+        fit(module, plugin, steps=6, ckpt_path=ckpt)
+    assert str(refused.value) == (
+        "AmpGuardPlugin: mine.ckpt holds GradScaler states under 'MyAMP' and 'OtherAMP', none under "
+        "'MixedPrecision': which one is this fit's loss scale cannot be told; delete the entries not to go on "
+        "from, or start a new fit without ckpt_path")
+    assert plugin.guard is None and list(module.after) == [0]  # (before any step)
+    # (a fit with no loss scaler takes neither: nothing to tell apart)
+    scales, said = _resumed(AmpGuardPlugin("bf16-mixed"), ckpt, steps=5)
+    assert len(said) == 1 and "its MyAMP and OtherAMP loss scales are not used" in said[0], said

@@ -170,7 +170,8 @@ class AmpGuardPlugin(_LightningPrecision):
     A resume (``fit(ckpt_path=...)``) restores the guard's state from the checkpoint; a checkpoint
     without it (saved by a fit without the plugin) goes on numbering steps from its
     ``global_step``, with a warning that the monitor starts afresh, and the loss scale too unless
-    Lightning's own fp16 ``MixedPrecision`` saved its GradScaler's there (taken over:
+    Lightning's own fp16 ``MixedPrecision`` (or a subclass, under its own name) saved its
+    GradScaler's there (taken over:
     :meth:`on_load_checkpoint`). A tuner's
     sweep (``lr_find``, ``scale_batch_size``: a ``Tuner``'s, or its callback in the fit) is
     guarded but recorded nowhere, and the guard goes back with the model the tuner restores.
@@ -514,7 +515,8 @@ class AmpGuardPlugin(_LightningPrecision):
         self._stock = None  # (the guard's scaler holds it now: a save takes it from there)
         if state is None or not scaler.is_enabled():
             shown = {v: k for k, v in _NAMES.items() if "-" in k}[self.name]
-            return f"its {key} loss scale is not used (this fit is {shown}, with no loss scaler); ", None
+            scales = "loss scales are" if " and " in key else "loss scale is"  # (several: "MyAMP and OtherAMP")
+            return f"its {key} {scales} not used (this fit is {shown}, with no loss scaler); ", None
         # (review 54s: the take-over is precision.py's, shared with the HF GuardedTrainer's scaler.pt)
         taken, kept = take_over_stock_scale(scaler, state, "this plugin's")
         return f"the loss scale takes over its GradScaler's {taken} (Lightning's {key!r} state" + (
@@ -965,7 +967,11 @@ class AmpGuardPlugin(_LightningPrecision):
         ``state_dict()`` under ``"MixedPrecision"`` (``"native_amp_scaling_state"`` in Lightning 1.x,
         which Lightning hands to any ``MixedPrecision``'s ``load_state_dict``, this plugin's too: taken
         out here), and a resume with the plugin threw that scale away, restarting at ``init_scale``
-        (a run whose scale had settled low skipped its first steps again). Where the checkpoint's
+        (a run whose scale had settled low skipped its first steps again). Where neither key is
+        there, the one entry whose keys are a GradScaler's (:func:`_gradscaler_states`: a user's
+        ``MixedPrecision`` subclass's, under its class's name; review 55f) is taken over, and two
+        such entries are refused (``ValueError`` naming both) unless this fit has no loss scaler
+        (then neither is used, said). Where the checkpoint's
         ampguard state holds no scale (none, or saved before its fit's first step), that state is
         checked here with the scaler's own :meth:`~ampguard.precision.GuardedGradScaler.check_state`,
         before any step: one that is not a GradScaler's is refused (``ValueError`` naming the field);
@@ -975,11 +981,25 @@ class AmpGuardPlugin(_LightningPrecision):
         if self._fitting is None:
             return
         self._stock = None
-        key = _STOCK_SCALER_KEY if _STOCK_SCALER_KEY in checkpoint else _LEGACY_SCALER_KEY
-        state = checkpoint.get(_STOCK_SCALER_KEY, legacy)
         own = checkpoint.get(type(self).__qualname__)
-        if state is None or (isinstance(own, dict) and not own.get(_BEFORE_FIRST_STEP)):
+        if isinstance(own, dict) and not own.get(_BEFORE_FIRST_STEP):
             return  # (ampguard's own state holds the scale: the guard loads it)
+        if _STOCK_SCALER_KEY in checkpoint or legacy is not None:
+            key = _STOCK_SCALER_KEY if _STOCK_SCALER_KEY in checkpoint else _LEGACY_SCALER_KEY
+            state = checkpoint.get(_STOCK_SCALER_KEY, legacy)
+        else:  # (review 55f: a subclass of MixedPrecision saves its GradScaler's state under its own class name)
+            found = _gradscaler_states(checkpoint, type(self).__qualname__)
+            if len(found) > 1 and loss_scaler_runs(self.name, self.scaler_settings.get("enabled")):
+                trainer = self._end_refused_fit()
+                where = Path(trainer.ckpt_path).name if trainer is not None and trainer.ckpt_path else "the checkpoint"
+                raise ValueError(f"AmpGuardPlugin: {where} holds GradScaler states under {found[0]!r} and "
+                                 f"{found[1]!r}{' (and more)' if len(found) > 2 else ''}, none under "
+                                 f"{_STOCK_SCALER_KEY!r}: which one is this fit's loss scale cannot be told; delete "
+                                 f"the entries not to go on from, or start a new fit without ckpt_path")
+            key = " and ".join(found)
+            state = checkpoint[found[0]] if found else None
+        if state is None:
+            return
         if not loss_scaler_runs(self.name, self.scaler_settings.get("enabled")):
             self._stock = (key, None)  # (said at the first step: this fit has no scale to take it)
             return
@@ -1158,6 +1178,25 @@ _STOCK_SCALER_KEY = "MixedPrecision"
 (its class's ``__qualname__``), and looks for it on a resume."""
 _LEGACY_SCALER_KEY = "native_amp_scaling_state"
 """The same state in a Lightning 1.x checkpoint."""
+
+
+def _gradscaler_states(checkpoint: dict[str, Any], own: str) -> list[str]:
+    """The keys of ``checkpoint``'s entries that are a GradScaler's ``state_dict()`` (its keys,
+    :data:`~ampguard.precision.GRADSCALER_KEYS`, and no other), ``own`` (this plugin's entry)
+    aside: where a precision plugin of another name saved one. Lightning saves a precision
+    plugin's ``state_dict()`` under its class's ``__qualname__`` (a user's ``MixedPrecision``
+    subclass's, ``"MyAMP"``), and a ``MixedPrecision``'s is its GradScaler's.
+
+    Example::
+
+        >>> state = torch.amp.GradScaler("cpu").state_dict()
+        >>> _gradscaler_states({"MyAMP": state, "epoch": 0, "state_dict": {}, "AmpGuardPlugin": {"step": 3}},
+        ...                    "AmpGuardPlugin")
+        ['MyAMP']
+    """
+    return [key for key, value in checkpoint.items() if isinstance(key, str) and key != own
+            and isinstance(value, dict) and set(value) == set(GRADSCALER_KEYS)]
+
 
 _TUNERS = (LearningRateFinder, BatchSizeFinder)
 """Lightning's tuner callbacks (``Tuner.lr_find``, ``Tuner.scale_batch_size``, or given as
