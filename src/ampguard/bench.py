@@ -2260,11 +2260,11 @@ def hold_output(holding: contextlib.ExitStack) -> None:
         >>> from ampguard import signals
         >>> signals._READER_GONE[0] = False
     """
-    from .signals import held_signals
+    from .signals import READER_LEFT, held_signals
 
     flag = holding.enter_context(held_signals())
     flag.cutting = "the output"
-    if flag.signal == signal.SIGPIPE:  # (the reader that left before: only a SIGINT or SIGTERM stops the output)
+    if flag.signal == READER_LEFT:  # (the reader that left before: only a SIGINT or SIGTERM stops the output)
         flag.signal = None
 
 

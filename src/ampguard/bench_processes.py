@@ -32,7 +32,7 @@ from .bench import (
     CONFIDENCE, INTERVAL, Bare, _reach, hold_output, interrupted_by, json_number, median_interval, output_written,
 )
 from .errors import counted
-from .signals import Interrupted, lost_stdout
+from .signals import Interrupted, lost_stdout, signal_numbered
 
 MIN_PROCESSES_FOR_INTERVAL = 6
 """The fewest processes with a 95% interval of their median (:func:`~ampguard.bench.median_interval`)."""
@@ -248,7 +248,8 @@ def _exit_of(returncode: int) -> tuple[int, str]:
         ((137, 'was killed by SIGKILL'), (1, 'exited 1'))
     """
     if returncode < 0:
-        return 128 - returncode, f"was killed by {signal.Signals(-returncode).name}"
+        number = signal_numbered(-returncode)  # (a number this OS names no signal: said as one)
+        return 128 - returncode, f"was killed by {getattr(number, 'name', f'signal {-returncode}')}"
     return returncode, f"exited {returncode}"
 
 

@@ -87,8 +87,28 @@ class StopFlag:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_EXIT_CODES = {signal.SIGTERM: ExitCode.TERMINATED, signal.SIGPIPE: ExitCode.BROKEN_PIPE}
+READER_LEFT: int = getattr(signal, "SIGPIPE", 13)
+"""What :attr:`StopFlag.signal` holds when stdout's reader left: ``signal.SIGPIPE``, or its number
+(13, compared by value) where the OS has no such signal (Windows: a write to a closed pipe is only
+an ``EPIPE``, the ``BrokenPipeError`` that :func:`reader_left` is told of); its exit code is 141 alike."""
+_EXIT_CODES = {signal.SIGTERM: ExitCode.TERMINATED, READER_LEFT: ExitCode.BROKEN_PIPE}
 _NAMES = {ExitCode.TERMINATED: "SIGTERM", ExitCode.BROKEN_PIPE: "stdout's reader left"}
+
+
+def signal_numbered(number: int) -> int:
+    """The signal ``number`` (a code less 128, a number agreed across ranks) as ``signal.Signals``,
+    or the plain number where this OS has no signal of it (:data:`READER_LEFT` on Windows); the
+    flag's exit code reads either alike.
+
+    Example::
+
+        >>> signal_numbered(15) is signal.SIGTERM, int(signal_numbered(READER_LEFT))
+        (True, 13)
+    """
+    try:
+        return signal.Signals(number)
+    except ValueError:
+        return number
 _FLAGS: list[StopFlag] = []
 """The stop flags of the ``stop_on_signals`` blocks open now, innermost last: where
 :func:`reader_left` asks for a stop."""
@@ -117,7 +137,7 @@ def stop_on_signals() -> Iterator[StopFlag]:
     """
     flag = StopFlag()
     if _READER_GONE[0]:  # (the reader left before there was a run to stop: stop it at its first boundary)
-        flag.signal = signal.SIGPIPE
+        flag.signal = READER_LEFT
 
     def handler(signum: int, frame: Any) -> None:
         if flag.requested and not flag.closing:
@@ -226,10 +246,12 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
         yield
         return
     read, write = os.pipe()
-    os.set_blocking(write, False)
     try:
+        os.set_blocking(write, False)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    except ValueError:  # (a thread of the interpreter's own, or no signals at all)
+    # (a thread of the interpreter's own, or no signals at all; AttributeError, OSError: an OS whose
+    # Python cannot make a pipe non-blocking or wake on one, Windows before Python 3.12)
+    except (ValueError, AttributeError, OSError):
         os.close(read)
         os.close(write)
         yield
@@ -703,7 +725,7 @@ def reader_left() -> None:
     if not _FLAGS:
         _READER_GONE[0] = True
     elif _FLAGS[-1].signal is None:
-        _FLAGS[-1].signal = signal.SIGPIPE
+        _FLAGS[-1].signal = READER_LEFT
 
 
 class TolerantStream:

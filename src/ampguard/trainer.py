@@ -14,7 +14,6 @@ import functools
 import math
 import os
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -44,7 +43,8 @@ from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
 from .schedule import WarmupPastTheRun
 from .signals import (
-    STUCK_AFTER_S, Interrupted, StopFlag, Watched, held_signals, leave_now, opening, stop_on_signals, watch_stuck,
+    STUCK_AFTER_S, Interrupted, StopFlag, Watched, held_signals, leave_now, opening, signal_numbered, stop_on_signals,
+    watch_stuck,
 )
 from .files import DiskFull, disk_full_error, left_by_an_ended_process, remove_temporaries, writing
 from .sinks import CSV_COLUMNS, ConsoleSink, CsvSink, JsonlSink, RowsEndEarly, Sinks, TensorBoardSink
@@ -368,7 +368,7 @@ class Trainer:
                                          if self.dist.active else contextlib.nullcontext()):
             self.stop_flag, clean, stopped = stop, True, None
             if self._stopped_opening is not None:  # (a resume's opening noted a stop signal: the first boundary's)
-                stop.signal = signal.Signals(self._stopped_opening - 128)
+                stop.signal = signal_numbered(self._stopped_opening - 128)
             try:
                 stopped = self._loop(stop)
             except KeyboardInterrupt:  # a second signal mid-step: no checkpoint of a half-done step
@@ -382,7 +382,7 @@ class Trainer:
                 if crashed is not None and distributed.peer_gone(crashed) and \
                         (code := distributed.peer_stopped()) is not None:  # a peer's second signal cut its
                     # step short and it left (end_alone, below): its stop, this rank's too, not a crash
-                    crashed, stop.agreed = None, signal.Signals(code - 128)
+                    crashed, stop.agreed = None, signal_numbered(code - 128)
                 elif crashed is not None and not distributed.peer_gone(crashed):  # this rank's own crash: its
                     # line in the store before this process ends, for rank 0's card (review 53e: rank 1's
                     # error was in its stderr alone; the card said gloo's "Connection closed by peer")
@@ -908,7 +908,7 @@ class Trainer:
         if self.dist.active:
             signum, full = distributed.highest([signum, int(full)], self.device)
         if signum and stop is not None:  # (not its own signal: one arriving now is this rank's first, not a second)
-            stop.agreed = signal.Signals(signum)
+            stop.agreed = signal_numbered(signum)
         return bool(signum), bool(full)
 
     def disk_full(self) -> DiskFull | None:
