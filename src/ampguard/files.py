@@ -144,11 +144,19 @@ def is_temporary(name: str) -> bool:
     return re.fullmatch(r"\..+\.tmp(-\d+(-[0-9a-f]+)?)?", name) is not None
 
 
+CAN_PROBE_PROCESSES = os.name != "nt"
+"""Whether ``os.kill(pid, 0)`` asks whether process ``pid`` runs, as on POSIX. Not on Windows: there
+signal 0 is ``CTRL_C_EVENT``, sent to the process group ``pid`` (any other number ends the process
+outright), so it is never called: whether a process runs cannot be told, and what a look at it would
+decide is decided as for a process that runs (a temporary file kept, a folder not taken over)."""
+
+
 def left_by_an_ended_process(name: str) -> bool:
     """Whether the temporary file ``name`` (:func:`is_temporary`) was left by a process that runs no
     more: the pid its name holds names none (a ``report`` or ``train`` killed in a write; review
     52c: nothing took such a file out of the run folder). A name with no pid, or the pid of a
-    process that runs (another ``report`` drawing now; one of another user's), is not: kept.
+    process that runs (another ``report`` drawing now; one of another user's), is not: kept; so is
+    every one where processes cannot be asked after (:data:`CAN_PROBE_PROCESSES`).
 
     Example::
 
@@ -156,7 +164,7 @@ def left_by_an_ended_process(name: str) -> bool:
         (False, False)
     """
     found = re.fullmatch(r"\..+\.tmp-(\d+)(-[0-9a-f]+)?", name)
-    if found is None:
+    if found is None or not CAN_PROBE_PROCESSES:  # (Windows: cannot be told, kept)
         return False
     try:
         os.kill(int(found[1]), 0)
@@ -225,9 +233,28 @@ _O_PATH = getattr(os, "O_PATH", getattr(os, "O_SEARCH", getattr(os, "O_EXEC", os
 not read cannot be gone through, and the replace fails with ``EACCES``)."""
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+"""Windows' flag for a file written byte for byte (no newline translation); nothing elsewhere."""
 _CANNOT_SYNC = frozenset({errno.EINVAL, errno.EBADF, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
 """What ``fsync`` says of a descriptor that cannot be synced (a file system without it, a folder
 opened only to be gone through): nothing to do. Any other error (ENOSPC, EIO) is a failed write."""
+
+BY_DESCRIPTORS = ({os.open, os.stat, os.unlink, os.rename} <= os.supports_dir_fd and os.listdir in os.supports_fd
+                  and hasattr(os, "O_DIRECTORY") and hasattr(os, "geteuid"))
+"""Whether this OS lets a file be replaced relative to its folder's descriptor (``dir_fd``, a
+folder opened, ``O_DIRECTORY``, user ids): Linux, macOS, the BSDs. Where it does not (Windows:
+``os.supports_dir_fd`` is empty, a folder cannot be opened, there are no user ids),
+:func:`replace_atomically` takes the plain path: a temporary file beside the file, synced and
+renamed over it (``os.replace``), with no walk and no links of other users to judge (NTFS has no
+such owners). Decided at import, as the OS is."""
+
+
+def my_uid() -> int | None:
+    """This process's effective user id, or None where the OS has none (Windows: every file's
+    ``st_uid`` is 0 there, so no file can be told to be this user's)."""
+    geteuid = getattr(os, "geteuid", None)
+    return None if geteuid is None else geteuid()
+
 
 STALE_AFTER_S = 600.0
 """How old (by its modification time) a temporary file of a dead process must be before
@@ -455,9 +482,12 @@ def _sync(fd: int) -> None:
 
 def _running(pid: str | None) -> bool:
     """Whether the process ``pid`` (digits, or None: none named) is running here (another user's
-    too); a process of another machine or container is not seen (:data:`STALE_AFTER_S`)."""
+    too); a process of another machine or container is not seen (:data:`STALE_AFTER_S`). Where
+    processes cannot be asked after (:data:`CAN_PROBE_PROCESSES`), a pid named is taken to run."""
     if pid is None:
         return False
+    if not CAN_PROBE_PROCESSES:  # (Windows: cannot be told; taken to run)
+        return True
     try:
         os.kill(int(pid), 0)
     except (ProcessLookupError, OverflowError):
@@ -467,47 +497,60 @@ def _running(pid: str | None) -> bool:
     return True
 
 
-def _remove_stale(dfd: int, name: str, old: os.stat_result | None) -> None:
+def _at(folder: int | str, name: str) -> tuple[str, int | None]:
+    """The file ``name`` of ``folder`` as the ``os`` calls take it, ``(path, dir_fd)``: relative to
+    the descriptor the walk holds (:func:`_walked`), or, on the plain path (``folder`` a path, where
+    the OS has no ``dir_fd``: :data:`BY_DESCRIPTORS`), joined to it."""
+    return (name, folder) if isinstance(folder, int) else (os.path.join(folder, name), None)
+
+
+def _remove_stale(dfd: int | str, name: str, old: os.stat_result | None) -> None:
     """Remove the temporary files of the file ``name`` (``.NAME.tmp-PID-RANDOM``, ``.NAME.tmp-PID``,
     ``.NAME.tmp``) that writes killed before their rename left in the folder ``dfd``: regular files
     only (never through a link: looked at and removed by name, relative to ``dfd``), of this user
     or the file's owner, older than :data:`STALE_AFTER_S`, of a process not running here. This
     process's own ``.NAME.tmp-PID``, the name it used to write at (it writes at none now), goes
     at any age when it is this user's or the file's owner's, whatever it is but a folder (a link
-    planted there). A folder that cannot be listed is left as it is."""
+    planted there). A folder that cannot be listed is left as it is. ``dfd`` a path (the plain
+    path, :data:`BY_DESCRIPTORS`): looked at by name, and, where the OS has no user ids, whoever's."""
     try:
         names = os.listdir(dfd)
     except OSError:  # (a folder opened only to be gone through, or not listed by this user)
         return
     pattern = re.compile(re.escape(f".{name}.tmp") + r"(?:-(\d+)(?:-[0-9a-f]+)?)?")
     legacy = f".{name}.tmp-{os.getpid()}"
-    owners = {os.geteuid()} | ({old.st_uid} if old is not None else set())
+    me = my_uid()
+    owners = {me} | ({old.st_uid} if old is not None else set())
     for entry in names:
         found = pattern.fullmatch(entry)
         if found is None:
             continue
+        at, at_fd = _at(dfd, entry)
         try:
-            seen = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+            seen = os.stat(at, dir_fd=at_fd, follow_symlinks=False)
         except OSError:
             continue
+        ours = me is None or seen.st_uid in owners  # (no user ids: no owner to tell by)
         if entry == legacy:  # (a third user's file at that name is another writer's: a PID of another container)
-            stale = not stat.S_ISDIR(seen.st_mode) and seen.st_uid in owners
+            stale = not stat.S_ISDIR(seen.st_mode) and ours
         else:
-            stale = (stat.S_ISREG(seen.st_mode) and seen.st_uid in owners
+            stale = (stat.S_ISREG(seen.st_mode) and ours
                      and time.time() - seen.st_mtime > STALE_AFTER_S and not _running(found.group(1)))
         if stale:
             with contextlib.suppress(OSError):  # (gone meanwhile, or not ours to remove: only space)
-                os.unlink(entry, dir_fd=dfd)
+                os.unlink(at, dir_fd=at_fd)
 
 
-def _make_temporary(dfd: int, name: str, mode: int, folder: str) -> tuple[str, int]:
+def _make_temporary(dfd: int | str, name: str, mode: int, folder: str) -> tuple[str, int]:
     """A new temporary file for ``name`` in the folder ``dfd`` (:func:`_temporary_name`), made with
     ``O_CREAT | O_EXCL | O_NOFOLLOW``: never opened through what lies at its name (a link, a
     folder: another name is tried). Its name and a descriptor open to write it."""
     for _ in range(16):
         tmp = _temporary_name(name)
         try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, mode, dir_fd=dfd)
+            at, at_fd = _at(dfd, tmp)
+            return tmp, os.open(at, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC | _O_BINARY, mode,
+                                dir_fd=at_fd)
         except FileExistsError:
             continue
         except OSError as err:
@@ -580,6 +623,12 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_li
         data = data.encode("utf-8", errors="surrogateescape")
     given = Path(path)
     followed = through_link and given.is_symlink() and given.exists()
+    if not BY_DESCRIPTORS:  # (Windows: no dir_fd, no folder to open; the plain path, every step by name)
+        target = Path(os.path.realpath(given)) if followed else given
+        if not target.name or (os.path.isdir(target) and not os.path.islink(target)):
+            raise NotReplaced(errno.EISDIR, "it names a folder, not a file; nothing was written", os.fspath(path))
+        _replace_in(os.fspath(target.parent), target, data, path, followed)
+        return
     dfd, target = _walked(given, followed, path)  # (by descriptors: each part looked at in the folder held)
     try:
         _replace_in(dfd, target, data, path, followed)
@@ -597,12 +646,15 @@ def _what(mode: int) -> str:
     return "not a file"
 
 
-def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, followed: bool) -> None:
+def _replace_in(dfd: int | str, target: Path, data: bytes, path: str | os.PathLike, followed: bool) -> None:
     """:func:`replace_atomically`'s work in the folder ``dfd`` (``target``'s, from :func:`_walked`),
-    every step relative to it: ``target.name`` is replaced by ``data``."""
+    every step relative to it: ``target.name`` is replaced by ``data``. ``dfd`` a path (the plain
+    path, :data:`BY_DESCRIPTORS`): every step by name in it, and the folder, which cannot be
+    opened there, not synced."""
     name = target.name
+    at, at_fd = _at(dfd, name)
     try:
-        old: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        old: os.stat_result | None = os.stat(at, dir_fd=at_fd, follow_symlinks=False)
     except OSError:  # (none yet: the new file is made as any other)
         old = None
     if followed and (old is None or not stat.S_ISREG(old.st_mode)):  # (a link's target, rewritten: a file only)
@@ -625,7 +677,7 @@ def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, fo
                     _take_owner_and_mode(old, fd)
                 _sync(fd)  # (the data on disk before the name points at it)
         try:
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.replace(_at(dfd, tmp)[0], at, src_dir_fd=at_fd, dst_dir_fd=at_fd)
         except OSError as err:  # (a folder at the name: said with the paths, not the bare names)
             err.filename, err.filename2 = os.fspath(target.parent / tmp), os.fspath(target)
             raise
@@ -633,7 +685,9 @@ def _replace_in(dfd: int, target: Path, data: bytes, path: str | os.PathLike, fo
     finally:
         if not renamed:
             with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dfd)
+                os.unlink(_at(dfd, tmp)[0], dir_fd=at_fd)
+    if not isinstance(dfd, int):  # (the plain path: a folder that cannot be opened cannot be synced)
+        return
     try:
         with writing(path):
             _sync(dfd)  # (the rename on disk: else a crash could bring back the old file)
@@ -648,15 +702,17 @@ def _take_owner_and_mode(old: os.stat_result, fd: int) -> None:
     set-user-ID and set-group-ID bits (its content is new: ``cp`` and ``install`` drop them too),
     through the descriptor (never a path, which could be made to name another file). Best effort:
     a file system that keeps no owners or modes (FAT, some network ones) refuses, and the file is
-    as this process made it."""
-    mine = os.fstat(fd)
+    as this process made it; an OS without user ids (Windows) gives no owner."""
+    mine, me = os.fstat(fd), my_uid()
     with contextlib.suppress(OSError):
-        if os.geteuid() == 0 and (old.st_uid, old.st_gid) != (mine.st_uid, mine.st_gid):
+        if me == 0 and (old.st_uid, old.st_gid) != (mine.st_uid, mine.st_gid):
             os.fchown(fd, old.st_uid, old.st_gid)
-        elif os.geteuid() != 0 and old.st_gid != mine.st_gid:
+        elif me is not None and me != 0 and old.st_gid != mine.st_gid:
             os.fchown(fd, -1, old.st_gid)
+    fchmod = getattr(os, "fchmod", None)  # (Windows' Python before 3.13 has none: its modes are only read-only)
     with contextlib.suppress(OSError):
-        os.fchmod(fd, stat.S_IMODE(old.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+        if fchmod is not None:
+            fchmod(fd, stat.S_IMODE(old.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
 
 
 _RENAME_NOREPLACE = 1
@@ -685,13 +741,14 @@ def rename_onto_nothing(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         ['b', 'c']
         >>> shutil.rmtree(root)
     """
-    import ctypes
-
     src_b, dst_b = os.fsencode(src), os.fsencode(dst)
     try:
+        import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
-    except (OSError, AttributeError):  # (no such C library call: the look, then rename)
+    # (no such C library call: the look, then rename; TypeError: Windows' ctypes cannot load "no library", review 55a)
+    except (ImportError, OSError, AttributeError, TypeError):
         renameat2 = None
     if renameat2 is not None:
         renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)

@@ -46,7 +46,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .config import Config, flat_keys
 from .errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, table_cell, user_code
-from .files import DiskFull, make_parents, replace_atomically
+from .files import CAN_PROBE_PROCESSES, DiskFull, make_parents, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
 from .tasks import Task, seed_everything, untrained_model
@@ -2280,7 +2280,10 @@ def _take_over(folder: Path, what: str) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs (another user's counts: it runs)."""
+    """Whether a process ``pid`` runs (another user's counts: it runs; where it cannot be told,
+    :data:`~ampguard.files.CAN_PROBE_PROCESSES`, it is taken to: the folder is refused, named)."""
+    if not CAN_PROBE_PROCESSES:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
