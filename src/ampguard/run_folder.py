@@ -33,15 +33,17 @@ import torch
 from .config import Config, dump_config
 from .errors import AmpguardWarning, ExitCode, InputError, failed_because, shortened, shown
 from .files import (STALE_AFTER_S, DiskFull, _running, _temporary_name, is_temporary, left_by_an_ended_process,
-                    make_parents, rename_onto_nothing, replace_atomically)
+                    make_parents, my_uid, rename_onto_nothing, replace_atomically)
 
 if TYPE_CHECKING:
     from .monitor import RunMonitor
 
 try:
     import fcntl
-except ImportError:  # pragma: no cover - not a POSIX system: run folders go unlocked
+except ImportError:  # not a POSIX system (Windows): run folders go unlocked, said once (RunPaths.lock)
     fcntl = None  # type: ignore[assignment]
+_SAID_UNLOCKED = [False]
+"""Whether :meth:`RunPaths.lock` has said that run folders go unlocked here (no ``fcntl``): once a process."""
 
 LOCK_FILE = ".ampguard.lock"
 """Held (``flock``) by the process that trains in a run folder, with its pid, its host's name and
@@ -230,6 +232,8 @@ class RunPaths:
         checkpoints aside while it goes on writing them: rows lost, silently). The lock is the
         kernel's (``flock`` on :data:`LOCK_FILE`), so a process that dies, even by SIGKILL,
         leaves none behind; a file system that has no locks (some network mounts) goes unlocked.
+        So does every folder where Python has no ``fcntl`` (Windows): one warning line says so, the
+        first time a process would lock one.
         A reader's look at the lock (:meth:`writer`) is waited out (:data:`LOCK_PATIENCE_S`).
         :meth:`unlock` lets go. Nothing for a run with no folder (a demo).
 
@@ -247,7 +251,14 @@ class RunPaths:
             []
             >>> paths.dir.rmdir()
         """
-        if self.dir is None or fcntl is None or self._lock is not None:
+        if self.dir is None or self._lock is not None:
+            return
+        if fcntl is None:
+            if not _SAID_UNLOCKED[0]:
+                _SAID_UNLOCKED[0] = True
+                warnings.warn("run folders are not locked on this platform (Python has no fcntl): a second "
+                              "process could write the same run folder; resume or train in one folder one "
+                              "process at a time", AmpguardWarning, stacklevel=2)
             return
         path = self.dir / LOCK_FILE
         # a reader's look (writer(): report, compare) holds a shared lock for microseconds: tried again for a
@@ -674,7 +685,7 @@ def _mine_holding_nothing(run_dir: Path) -> bool:
         seen = os.lstat(run_dir)
     except OSError:
         return False
-    return stat.S_ISDIR(seen.st_mode) and seen.st_uid == os.geteuid() and _holds_nothing(run_dir)
+    return stat.S_ISDIR(seen.st_mode) and seen.st_uid == my_uid() and _holds_nothing(run_dir)
 
 
 def _holds_nothing(run_dir: Path) -> bool:
@@ -758,7 +769,7 @@ def _remove_abandoned(log_dir: Path) -> None:
             seen = folder.lstat()
         except OSError:
             continue
-        if stat.S_ISDIR(seen.st_mode) and seen.st_uid == os.geteuid() and time.time() - seen.st_mtime > STALE_AFTER_S:
+        if stat.S_ISDIR(seen.st_mode) and seen.st_uid == my_uid() and time.time() - seen.st_mtime > STALE_AFTER_S:
             shutil.rmtree(folder, ignore_errors=True)
 
 
