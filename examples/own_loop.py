@@ -108,10 +108,10 @@ def train(args: argparse.Namespace) -> int:
     model = {"hf": TinyLM, "gpt2": tiny_gpt2, "multitask": MultiTask}[args.model]()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2 if args.model == "multitask" else 3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: min(1.0, (update + 1) / 5))
+    sink = CsvSink(args.csv)  # (first: a CSV there already is refused before the guard warns of anything)
     guard = Guard(model, optimizer, precision=args.precision, max_norm=1.0, scheduler=scheduler,
                   accumulation_steps=args.accumulation_steps,
                   scaler={"init_scale": 1024.0} if args.precision == "fp16" else None)  # (bf16 runs no loss scaler)
-    sink = CsvSink(args.csv)
     try:
         for batch in batches(args.model, args.steps * args.accumulation_steps):
             with guard.autocast():

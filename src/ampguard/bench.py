@@ -2194,7 +2194,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                               f"{', '.join(settings)}", flush=True)
                         if quick:
                             print("--quick: a smoke test that every contender runs, not a measurement (its ratios are "
-                                  "noise; no interval below 6 rounds)", flush=True)
+                                  "noise; no interval below 6 rounds; no A/A row)", flush=True)
                         for note in _long_on(where, workloads):
                             print(note, flush=True)
                         results = run_bench(device=where, workloads=workloads, precisions=names, steps=steps,
