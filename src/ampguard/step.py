@@ -507,7 +507,8 @@ def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
     micro-batch loss was non-finite) and norm are known: ``(found, clip factor)``, where
     ``found`` is 1.0 when the step must be skipped (the mark or the norm non-finite) and 0.0
     otherwise, and the factor is ``None`` when clipping is off; and ``applied``, the device
-    count of applied updates, advanced in place unless found. ``zero`` is a 0.0 of the norm's
+    count of applied updates (int64: exact at any count, where a float32 one stopped at 2**24,
+    review 55b), advanced in place by ``found == 0`` (a bool, added as 1 or 0: two kernels). ``zero`` is a 0.0 of the norm's
     device. (The host computes the post-clip norm from the factor for a float32 norm: :meth:`Guard._post_clip`.)
 
     ``found`` takes two kernels: ``mark + pre * 0`` is 0 for a finite norm and mark, NaN
@@ -517,20 +518,20 @@ def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
 
     Example (a non-finite gradient: found, and the count does not advance)::
 
-        >>> applied = torch.tensor(3.0)
+        >>> applied = torch.tensor(3)
         >>> found, factor = sync_free_tail(torch.tensor(0.0), torch.tensor(float("inf")), applied, 1.0,
         ...                                torch.tensor(0.0))
         >>> found.item(), applied.item()
-        (1.0, 3.0)
+        (1.0, 3)
         >>> found, factor = sync_free_tail(torch.tensor(0.0), torch.tensor(4.0), applied, 1.0, torch.tensor(0.0))
         >>> found.item(), round(factor.item(), 6), applied.item()
-        (0.0, 0.25, 4.0)
+        (0.0, 0.25, 4)
     """
     found = torch.addcmul(mark, pre, zero).nan_to_num_(1.0)
     if found.dtype != torch.float32:  # (a float64 norm): fused optimizers take a float32 flag
         found = found.float()
     factor = clip_coefficient(pre, max_norm)
-    applied.sub_(found).add_(1.0)
+    applied.add_(found == 0)
     return found, factor
 
 
@@ -776,7 +777,8 @@ class Guard:
         if sync_free:
             self._check_sync_free(self.optimizer, scheduler)
             # on the parameters' device (``device`` may name only the type: "cuda" for a model on cuda:1)
-            self._updates_t = torch.zeros((), device=model_device)
+            # (int64: exact at any count; a float32 count stopped at 2**24, review 55b)
+            self._updates_t = torch.zeros((), dtype=torch.int64, device=model_device)
             self._zero = torch.zeros((), device=model_device)  # (never written: the tail's ``pre * 0``)
             self._base_lrs = [_initial_lr(group) for group in self.optimizer.param_groups]
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
@@ -1344,7 +1346,7 @@ class Guard:
         elif stepped is None:
             self.steps = steps  # (nothing was applied: the step number is the next one's)
             if self._tail_found is not None:  # (the sync-free tail had advanced the count: undo it)
-                self._updates_t.add_(self._tail_found).sub_(1.0)
+                self._updates_t.sub_((self._tail_found == 0).long())
             said = "nothing was applied"
         elif not stepped:  # (the sync-free step: its optimizer ran, what it did was decided on the device)
             said = f"step {self.steps} ran on the device, applied or skipped there; its record was not made"

@@ -256,3 +256,35 @@ def test_a_param_group_added_mid_run_gets_the_schedule():
     assert not record.skipped
     assert float(opt.param_groups[1]["lr"]) == pytest.approx(4e-2 * factor_py(3), rel=1e-6)
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 * factor_py(3), rel=1e-6)
+
+
+def test_the_count_of_applied_updates_is_exact_past_2_24_and_so_is_its_checkpoint():
+    # review 55b: the count was a float32 tensor: 2**24 + 1 rounds to 2**24, so from 16,777,216
+    # updates on the count (and the LR it drives) stood still, was saved as 16,777,216, and a
+    # larger count set or loaded was rounded (2**24 + 3 read back 2**24 + 4)
+    start = 2**24 - 2
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.5), fused=True)
+        # a factor that moves by 1/8 with each update from ``start`` (exact: the LRs compare equal)
+        return AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True,
+                             lr_schedule=lambda updates: (updates - start) * 0.125 + 0.5)
+
+    state = make()
+    state.steps = state.updates = start  # (what a resume from a checkpoint of that count sets)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    records = [state.step(x, y * (float("nan") if i == 2 else 1.0)) for i in range(5)]
+    assert [r.skipped for r in records] == [False, False, True, False, False]
+    # the LR of each step is the schedule at the count before it: held on the skip, moving past 2**24
+    assert [r.values()["lr"] for r in records] == [0.5 * (0.5 + 0.125 * k) for k in (0, 1, 2, 2, 3)]
+    assert state.updates == start + 4 == 2**24 + 2
+    saved = state.state_dict()
+    assert saved["updates"] == 2**24 + 2
+    resumed = make()
+    resumed.load_state_dict(saved)
+    assert resumed.updates == 2**24 + 2
+    assert resumed.step(x, y).values()["lr"] == 0.5 * (0.5 + 0.125 * 4)
+    resumed.updates = 2**24 + 3
+    assert resumed.updates == 2**24 + 3
