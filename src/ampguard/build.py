@@ -227,7 +227,7 @@ def build_state(config: Config, model: nn.Module, loss_fn: Callable[[Any, Any], 
     try:
         optimizer = make_optimizer(config, model, fast)
         if fast:  # the LR lives on the device as a tensor the step sets from its count of applied updates
-            scheduler = DeviceLambdaLR(optimizer, lr_multiplier(config), device_multiplier(config))
+            scheduler = DeviceLambdaLR(optimizer, lr_multiplier(config), device_multiplier(config, device))
             for group in optimizer.param_groups:
                 group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
         else:

@@ -26,7 +26,8 @@ from typing import NamedTuple
 MAX_COUNT = 10**9
 """The largest count a setting or flag takes (steps, batch sizes, intervals, rounds): past it a
 run would never end or its tables would not fit in memory (the fast path's LR table has
-``steps + 1`` entries). Here, with no import, so that the command line checks its flags without
+``steps + 1`` float32 entries on the device, 4 GB here, built by chunks with bounded host memory:
+``schedule.factor_table``). Here, with no import, so that the command line checks its flags without
 importing torch."""
 MAX_WINDOW = 10**7
 """The largest rolling window (``monitor.window``, ``rollback.window``, ``report --window``): each

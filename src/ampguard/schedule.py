@@ -62,33 +62,89 @@ def lr_multiplier(config: Config) -> Callable[[int], float]:
     return factor
 
 
-def device_multiplier(config: Config) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`lr_multiplier` on the device: a float32 table of the factor for every count of
-    applied updates up to ``steps`` (computed once, in float64, on the host), looked up by the
-    count: two small kernels a step and no host read. The count's index is a ``searchsorted``
-    among the table's positions 1..steps, which is the count clamped to the table in one kernel
-    (a cast and a clamp otherwise): a count past the table (``steps`` lowered on a resume) reads
-    its last entry, as the host function's clamp does.
+TABLE_CHUNK = 1 << 20
+"""Entries of the device table computed at a time (:func:`factor_table`): the build's host memory
+is a few float64 arrays of this many entries, whatever ``steps`` is."""
+
+_CLOSE = 2.0**-46
+"""How far a float64 factor computed by torch may be from the host function's (its ``cos`` may be
+another libm's, 1 ulp off; every other operation is the same IEEE one): far more than the error."""
+
+
+def factor_table(config: Config, device: torch.device | str | None = None, chunk: int = TABLE_CHUNK) -> torch.Tensor:
+    """:func:`lr_multiplier` for every count of applied updates 0..``steps``, as a float32 tensor
+    on ``device`` (the CPU by default): bit for bit ``torch.tensor([f(u) for u in range(steps +
+    1)], dtype=torch.float64).float()``, computed ``chunk`` entries at a time with torch's float64
+    operations in the host function's order (review 55b: the Python loop took 40 s and 1.15 GB at
+    20M steps, ~55 GB at the ``steps`` cap). Its ``cos`` may not be Python's (``math.cos``, the
+    C library's) to the last bit: an entry whose float32 rounding a float64 difference of
+    :data:`_CLOSE` could change is taken from the host function itself (a few in a million;
+    near the end of a cosine to a zero floor, where the factor is tiny, more).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> config = validate({"steps": 7, "schedule": {"warmup": 2, "decay": "linear", "min_lr_ratio": 0.5}})
+        >>> factor_table(config).tolist()
+        [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.5]
+    """
+    host = lr_multiplier(config)
+    table = torch.empty(config.steps + 1, dtype=torch.float32, device=device)
+    for start in range(0, len(table), chunk):
+        stop = min(start + chunk, len(table))
+        table[start:stop].copy_(_factors(config, host, start, stop))
+    return table
+
+
+def _factors(config: Config, host: Callable[[int], float], start: int, stop: int) -> torch.Tensor:
+    """The float32 factors of counts ``start..stop - 1`` on the CPU (:func:`factor_table`)."""
+    warmup, total, floor = config.schedule.warmup, config.steps, config.schedule.min_lr_ratio
+    decay = config.schedule.decay
+    update = torch.arange(start, stop, dtype=torch.float64)  # (exact: counts are below 2**53)
+    if decay == "constant":
+        value = torch.ones_like(update)
+    else:  # (each operation the host function's, on the same float64 operands)
+        span = total - warmup - 1
+        progress = torch.ones_like(update) if span <= 0 else ((update - warmup) / span).clamp_(max=1.0)
+        shape = (progress * math.pi).cos_().add_(1).mul_(0.5) if decay == "cosine" else 1 - progress
+        value = shape.mul_(1 - floor).add_(floor)
+    if start < warmup:
+        value = torch.where(update < warmup, (update + 1) / warmup, value)
+    rounded = value.float()
+    unsure = torch.ne((value - _CLOSE).float(), (value + _CLOSE).float()).nonzero().flatten().tolist()
+    for i in unsure:  # (the float32 rounding is the host function's to decide)
+        rounded[i] = host(start + i)
+    return rounded
+
+
+def device_multiplier(config: Config, device: torch.device | str | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`lr_multiplier` on the device: its float32 table (:func:`factor_table`, built once
+    on ``device``, the CPU by default, and copied to another device the first time a count
+    there is looked up), indexed by the count of applied updates, an int64 tensor: a clamp and
+    a ``gather``, two small kernels a step and no host read. The clamp keeps the index in the
+    table: a count past it (``steps`` lowered on a resume) reads its last entry, as the host
+    function's clamp does. The count is exact at any size (a float32 count stopped at 2**24 =
+    16,777,216, and positions in float32 put the lookup two entries off there: review 55b); a
+    float count (whole) is cast to int64 first.
 
     Example::
 
         >>> from ampguard.config import validate
         >>> config = validate({"steps": 11, "schedule": {"warmup": 2, "decay": "cosine"}})
         >>> host, device = lr_multiplier(config), device_multiplier(config)
-        >>> all(abs(device(torch.tensor(float(u))).item() - host(u)) < 1e-7 for u in range(14))
+        >>> all(device(torch.tensor(u)).item() == torch.tensor(host(u)).float().item() for u in range(14))
         True
     """
-    host = lr_multiplier(config)
-    table = torch.tensor([host(u) for u in range(config.steps + 1)], dtype=torch.float64).to(torch.float32)
-    on_device: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+    table = factor_table(config, device)
+    on_device: dict[torch.device, torch.Tensor] = {table.device: table}
 
     def factor(applied: torch.Tensor) -> torch.Tensor:
-        found = on_device.get((applied.device, applied.dtype))
-        if found is None:
-            positions = torch.arange(1, len(table), dtype=applied.dtype)
-            found = on_device[applied.device, applied.dtype] = table.to(applied.device), positions.to(applied.device)
-        values, positions = found
-        index = torch.searchsorted(positions, applied.reshape(1), right=True)  # min(max(count, 0), steps)
+        values = on_device.get(applied.device)
+        if values is None:
+            values = on_device[applied.device] = table.to(applied.device)
+        index = applied.reshape(1).clamp(0, len(values) - 1)  # (past the table: its last entry)
+        if index.dtype != torch.int64:  # (a float count, whole: cast once clamped)
+            index = index.long()
         return values.gather(0, index).reshape(())  # (not values[index]: indexing may read the index)
 
     return factor
@@ -111,7 +167,7 @@ class DeviceLambdaLR(torch.optim.lr_scheduler.LambdaLR):
         >>> model = torch.nn.Linear(2, 1)
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         >>> schedule = DeviceLambdaLR(optimizer, lr_multiplier(config), device_multiplier(config))
-        >>> schedule.applied = torch.tensor(2.0)  # what the step shares with it
+        >>> schedule.applied = torch.tensor(2)  # what the step shares with it (its int64 count)
         >>> round(schedule.device_factor(schedule.applied).item(), 3), schedule.state_dict()["last_epoch"]
         (0.75, 2)
     """

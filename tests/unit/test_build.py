@@ -321,3 +321,38 @@ def test_the_fast_state_is_sync_free_with_a_fused_optimizer_and_device_lrs():
     assert state.sync_free and state.optimizer.defaults["fused"]
     assert all(isinstance(g["lr"], torch.Tensor) for g in state.optimizer.param_groups)
     assert state.scheduler.applied is state._updates_t
+
+
+def test_the_fast_paths_schedule_moves_past_2_24_updates_and_its_checkpoint_keeps_the_count():
+    # review 55b: the fast path's count was float32: from 16,777,216 updates the LR stood still,
+    # and the scheduler's last_epoch and the guard's updates were saved as 16,777,216
+    import io
+
+    from ampguard.schedule import lr_multiplier
+
+    steps, start = 2**24 + 4096, 2**24 - 2
+    config = validate({"steps": steps, "precision": "fp32", "schedule": {"warmup": 10, "decay": "linear"}})
+
+    def make(fast):
+        torch.manual_seed(0)
+        return build_state(config, nn.Linear(4, 4), torch.nn.functional.mse_loss, torch.device("cpu"), fast=fast)
+
+    state, host = make(True), lr_multiplier(config)
+    state.steps = state.updates = start  # (what a resume from a checkpoint of that count sets)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    lrs = [state.step(x, y).values()["lr"] for _ in range(4)]
+    base = state.scheduler.base_lrs[0]
+    assert lrs == [torch.mul(torch.tensor(host(u), dtype=torch.float64).float(), base).item()
+                   for u in range(start, start + 4)]
+    assert len(set(lrs)) == 4
+    buffer = io.BytesIO()
+    torch.save({"state": state.state_dict(), "scheduler": state.scheduler.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    assert saved["state"]["updates"] == saved["scheduler"]["last_epoch"] == 2**24 + 2
+    for fast in (True, False):  # either path resumes from it
+        resumed = make(fast)
+        resumed.load_state_dict(saved["state"])
+        resumed.scheduler.load_state_dict(saved["scheduler"])
+        assert resumed.updates == resumed.scheduler.last_epoch == 2**24 + 2
+    assert resumed.scheduler.get_last_lr()[0] == base * host(2**24 + 2)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 import torch
 from torch import nn
 
 from ampguard.config import validate
-from ampguard.schedule import DeviceLambdaLR, device_multiplier, lr_multiplier
+from ampguard.schedule import TABLE_CHUNK, DeviceLambdaLR, device_multiplier, factor_table, lr_multiplier
 
 
 @pytest.mark.parametrize("decay", ["constant", "cosine", "linear"])
@@ -22,6 +24,57 @@ def test_the_device_table_is_the_host_schedule_in_float32(decay, warmup):
     assert got.dtype == torch.float32 and got.shape == (46,)
 
 
+def _loop_table(config) -> torch.Tensor:
+    """The device table as it was built before review 55b: the host function at every count."""
+    host = lr_multiplier(config)
+    return torch.tensor([host(u) for u in range(config.steps + 1)], dtype=torch.float64).to(torch.float32)
+
+
+@pytest.mark.parametrize(("steps", "warmup", "decay", "floor"), [
+    (200_000, 1000, "cosine", 0.1), (200_000, 0, "cosine", 0.0), (123_457, 7, "cosine", 1 / 3),
+    (99_991, 7, "linear", 0.0), (50_000, 0, "linear", 0.2), (5_000, 5_000, "cosine", 0.1),
+    (5_000, 9_000, "linear", 0.1), (5_000, 3, "constant", 0.1), (1, 0, "cosine", 0.1), (2, 1, "linear", 0.0)])
+def test_the_vectorised_table_is_the_python_loops_bit_for_bit(steps, warmup, decay, floor):
+    # review 55b: the table was a Python loop over every count (40 s, 1.15 GB at 20M steps); now
+    # torch's float64 operations in the host function's order, chunk by chunk; entries a 1-ulp
+    # difference in cos could round otherwise are the host function's own
+    config = validate({"steps": steps, "schedule": {"warmup": warmup, "decay": decay, "min_lr_ratio": floor}})
+    loop = _loop_table(config)
+    for chunk in (TABLE_CHUNK, 4093):  # (chunk edges inside the warm-up and the decay)
+        table = factor_table(config, chunk=chunk)
+        assert table.dtype == torch.float32 and table.shape == (steps + 1,)
+        assert torch.equal(table.view(torch.int32), loop.view(torch.int32))
+
+
+def test_an_entry_the_table_is_unsure_of_is_the_host_functions(monkeypatch):
+    # (torch's cos and the C library's may differ by an ulp, which on this CPU moves no float32
+    # entry of the configs above: with every entry unsure, each is the host function's own)
+    from ampguard import schedule
+
+    config = validate({"steps": 3000, "schedule": {"warmup": 30, "decay": "cosine", "min_lr_ratio": 0.0}})
+    monkeypatch.setattr(schedule, "_CLOSE", 1.0)
+    assert torch.equal(factor_table(config, chunk=1000).view(torch.int32), _loop_table(config).view(torch.int32))
+
+
+def test_a_table_past_2_24_counts_is_built_without_a_python_loop_and_looked_up_exactly():
+    # review 55b: float32 positions put the lookup at 2**24 two entries off, and a float32 count
+    # stopped there; the loop held every factor as a Python float (~0.5 GB here, ~55 GB at 10**9)
+    steps = 2**24 + 4096
+    config = validate({"steps": steps, "schedule": {"warmup": 100, "decay": "linear"}})
+    tracemalloc.start()  # (Python's own allocations: a list of floats shows, torch's buffers do not)
+    try:
+        factor = device_multiplier(config)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**22
+    host = lr_multiplier(config)
+    counts = [*range(2**24 - 3, 2**24 + 4), steps - 2, steps - 1, steps, steps + 9, 2**40, 0, 99, 100, -5]
+    got = [factor(torch.tensor(u)).item() for u in counts]
+    assert got == [torch.tensor(host(max(u, 0)), dtype=torch.float64).float().item() for u in counts]
+    assert len(set(got[:7])) == 7  # (the schedule moves at every count there: an entry off would show)
+
+
 def test_the_count_is_read_on_its_own_device_and_never_indexed_by_python():
     config = validate({"steps": 10, "schedule": {"warmup": 2}})
     factor = device_multiplier(config)
@@ -29,6 +82,7 @@ def test_the_count_is_read_on_its_own_device_and_never_indexed_by_python():
     assert factor(applied).shape == () and factor(applied).item() == pytest.approx(1.0)
     assert factor(torch.tensor(-3.0)).item() == pytest.approx(0.5)  # clamped at the first entry
     assert factor(torch.tensor(1.0, dtype=torch.float64)).item() == factor(applied).item()  # a count of any float dtype
+    assert factor(torch.tensor(1)).item() == factor(applied).item()  # the step's int64 count
 
 
 def _optimizer() -> torch.optim.Optimizer:
