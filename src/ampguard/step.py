@@ -659,7 +659,9 @@ class Guard:
             ``step()`` then returns a :class:`PendingStep` whose skip decision is read by
             whoever reads its values.
         lr_schedule: with ``sync_free`` (refused without it, and beside a ``scheduler``),
-            ``lr_schedule(applied_updates) -> factor`` on tensors, computed on the device; each
+            ``lr_schedule(applied_updates) -> factor`` on tensors, computed on the device (the count
+            an int64 tensor, exact; arithmetic with a Python float makes it float32, exact to
+            2**24 updates: ``updates.double()`` for a schedule longer than that); each
             group's lr is its ``initial_lr`` times the factor (set from its lr the first time, as
             torch's schedulers set it, and saved with the optimizer's state: a resume that loads
             the optimizer before building the guard keeps the base). It advances only on applied
