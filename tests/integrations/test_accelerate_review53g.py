@@ -14,6 +14,7 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from ampguard.errors import AmpguardWarning  # noqa: E402
+from ampguard.precision import SlowPrecisionWarning  # noqa: E402
 from ampguard.integrations.accelerate import make_guard  # noqa: E402
 
 
@@ -40,7 +41,9 @@ def test_a_loop_closing_its_short_last_group_and_the_default_scaler_settings_say
                 guard.unscale_()  # (a look at the true gradients before the step)
             records.append(guard.step(close=i == 5))
     assert [r.step for r in records if r is not None] == [1, 2]
-    assert not [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
+    # (not the CPU's emulated-bf16 warning, said once a process: whether this test says it depends on the order)
+    assert not [str(w.message) for w in caught
+                if issubclass(w.category, AmpguardWarning) and not issubclass(w.category, SlowPrecisionWarning)]
 
 
 def test_scaler_settings_given_under_bf16_are_said(accelerator):

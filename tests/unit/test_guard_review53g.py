@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ampguard import AmpguardWarning, Guard
-from ampguard.precision import Precision, check_scaler_settings
+from ampguard.precision import Precision, SlowPrecisionWarning, check_scaler_settings
 from ampguard.step import ShortGroupWarning
 
 from helpers import train
@@ -99,7 +99,9 @@ def test_scaler_settings_a_precision_without_a_scaler_ignores_are_said_naming_th
         warnings.simplefilter("always")
         guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision,
                       scaler=dict(init_scale=1024.0, growth_interval=10, enabled=False))
-    said = [str(w.message) for w in caught if issubclass(w.category, AmpguardWarning)]
+    # (not the CPU's emulated-bf16 warning, said once a process: whether this test says it depends on the order)
+    said = [str(w.message) for w in caught
+            if issubclass(w.category, AmpguardWarning) and not issubclass(w.category, SlowPrecisionWarning)]
     assert said == [f"precision {precision} uses no loss scaler: scaler settings init_scale, growth_interval "
                     "ignored"], said
     assert not guard.scaler.is_enabled()
