@@ -15,7 +15,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .errors import failed_because, shown
 
@@ -560,8 +560,10 @@ def _make_temporary(dfd: int | str, name: str, mode: int, folder: str) -> tuple[
                           os.path.join(folder, f".{name}.tmp-*"))
 
 
-def replace_atomically(path: str | os.PathLike, data: bytes | str, *, through_link: bool = False) -> None:
-    """Make ``data`` (text is written as UTF-8, undecodable bytes kept) the whole of ``path``: a
+def replace_atomically(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes]], None], *,
+                       through_link: bool = False) -> None:
+    """Make ``data`` (text is written as UTF-8, undecodable bytes kept; a callable writes it to the
+    file it is handed, a cut's copy of a long file's head that is never held whole) the whole of ``path``: a
     temporary file beside it, synced (``fsync``) and renamed over it, the folder synced after
     (where this user may read it: a folder it may only write in cannot be synced), so a kill, a
     full disk or a crash leaves the old file or the new one, never half of one. A write
@@ -646,7 +648,8 @@ def _what(mode: int) -> str:
     return "not a file"
 
 
-def _replace_in(dfd: int | str, target: Path, data: bytes, path: str | os.PathLike, followed: bool) -> None:
+def _replace_in(dfd: int | str, target: Path, data: bytes | Callable[[IO[bytes]], None], path: str | os.PathLike,
+                followed: bool) -> None:
     """:func:`replace_atomically`'s work in the folder ``dfd`` (``target``'s, from :func:`_walked`),
     every step relative to it: ``target.name`` is replaced by ``data``. ``dfd`` a path (the plain
     path, :data:`BY_DESCRIPTORS`): every step by name in it, and the folder, which cannot be
@@ -671,7 +674,7 @@ def _replace_in(dfd: int | str, target: Path, data: bytes, path: str | os.PathLi
     try:
         with writing(path):
             with open(fd, "wb") as file:
-                file.write(data)
+                data(file) if callable(data) else file.write(data)
                 file.flush()
                 if old is not None:
                     _take_owner_and_mode(old, fd)

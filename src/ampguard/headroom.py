@@ -73,10 +73,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import inspect
-import io
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -1002,22 +1001,23 @@ def _headroom_row(cells: list[str]) -> HeadroomRow:
     return HeadroomRow(int(step), module, tensor, float(amax), float(bits), float(share))
 
 
-def check_headroom_rows(path: Path, kept: bytes, refused: str) -> None:
+def check_headroom_rows(path: Path, kept: Iterable[str], refused: str) -> None:
     """One :class:`InputError` line (ending in ``refused``) unless every row of ``kept`` (the
-    lines of the ``headroom.csv`` at ``path`` a resume keeps, :meth:`CsvSink.kept_rows`'s
-    ``read_back``) reads as :func:`read_headroom_csv` reads it: a resume that appended after a row
-    with a cell that is no number would leave a file whose heatmap ``report`` leaves out.
+    lines of the ``headroom.csv`` at ``path`` a resume keeps, the header first, read one at a
+    time: :meth:`CsvSink.kept_rows`'s ``read_back``) reads as :func:`read_headroom_csv` reads it:
+    a resume that appended after a row with a cell that is no number would leave a file whose
+    heatmap ``report`` leaves out.
 
     Example::
 
-        >>> kept = b"step,module,tensor,amax,headroom_bits,underflow_share\\n4,0,output,1.5,15.4,0\\n"
+        >>> kept = ["step,module,tensor,amax,headroom_bits,underflow_share\\n", "4,0,output,1.5,15.4,0\\n"]
         >>> check_headroom_rows(Path("headroom.csv"), kept, "cannot resume from it")
-        >>> check_headroom_rows(Path("headroom.csv"), kept.replace(b"1.5", b"abc"), "cannot resume from it")
+        >>> check_headroom_rows(Path("headroom.csv"), [kept[0], kept[1].replace("1.5", "abc")], "cannot resume from it")
         Traceback (most recent call last):
         ...
         ampguard.errors.InputError: headroom.csv: line 2 is not a headroom row: '4,0,output,abc,15.4,0'; cannot resume from it
     """
-    reader = csv.reader(io.StringIO(kept.decode("utf-8"), newline=""))  # (as the file reads)
+    reader = csv.reader(kept)  # (as the file reads)
     next(reader, None)  # (the header: checked by CsvSink.check_header)
     for n, cells in enumerate(reader, start=2):
         try:

@@ -28,7 +28,7 @@ from .monitor import AT_THE_END, DEFAULT_MIN_STEPS, THRESHOLDS, RollingWindow, R
 from .precision import Precision, backend_text, finite_number
 from .records import SKIP_REASONS
 from .run_folder import RunPaths
-from .sinks import Row, csv_number, metric_values, read_steps_and_columns, read_steps_csv
+from .sinks import Row, StepColumns, csv_number, metric_values, read_step_columns, read_steps_and_columns
 from .watch import float32_layers_text
 
 if TYPE_CHECKING:
@@ -304,7 +304,7 @@ def finite_points(rows: list[Row], values: list[float | None], positive: bool = 
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def rolling_skip_rate(rows: list[Row], window: int, rollbacks: Sequence[dict[str, Any]] = (),
+def rolling_skip_rate(rows: Sequence[Row] | StepColumns, window: int, rollbacks: Sequence[dict[str, Any]] = (),
                       min_steps: int = DEFAULT_MIN_STEPS, policy: Sequence[dict[str, Any]] = ()) -> list[float]:
     """The rolling skip rate at each row, as the run judged it (:attr:`RunMonitor.skip_rate`):
     over the steps the window holds, the window emptied after the step of each of ``rollbacks``
@@ -324,12 +324,16 @@ def rolling_skip_rate(rows: list[Row], window: int, rollbacks: Sequence[dict[str
     """
     restarts = {r["step"] for r in rollbacks}
     win, rates = RollingWindow(window), []
-    for seen, r in enumerate(rows, 1):
-        win.push(float(r.skipped))
-        settle = min(_policy_at(policy, r.step).get("monitor.min_steps", min_steps), window)
+    pairs = (zip(map(int, rows.steps), map(bool, rows.skipped)) if isinstance(rows, StepColumns)  # (a plot's)
+             else ((r.step, r.skipped) for r in rows))
+    settled = min(min_steps, window) if not any(c["key"] == "monitor.min_steps" for c in policy) else None
+    for seen, (step, skipped) in enumerate(pairs, 1):
+        win.push(float(skipped))
+        settle = settled if settled is not None else min(
+            _policy_at(policy, step).get("monitor.min_steps", min_steps), window)
         young = settle if win.count < settle and win.count < seen else 0  # (RunMonitor._young_after_restart)
         rates.append(round(win.total) / max(win.held, young))
-        if r.step in restarts:
+        if step in restarts:
             win = RollingWindow(window)
     return rates
 
@@ -986,8 +990,8 @@ def plot_run(
         DIR/steps.csv: no steps recorded yet, nothing to plot False
         >>> shutil.rmtree(folder)
     """
-    rows = read_steps_csv(csv_path)
-    if not rows:
+    rows = read_step_columns(csv_path)  # (a stream into compact arrays: review 55b)
+    if not len(rows):
         raise InputError(f"{csv_path}: no steps recorded yet, nothing to plot")
     try:
         heat = read_headroom_csv(headroom) if headroom is not None else []
@@ -1071,82 +1075,165 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
     ax.set_ylabel(f"{label} (symlog)")
 
 
-def _draw(fig: Any, axes: Any, rows: list[Row], heat: list[HeadroomRow], *, max_norm: float | None, window: int,
+THIN_BUCKETS = 2000
+"""A line of more points than twice this (the PNG is 1200 px wide) is drawn thinned
+(:func:`thinned`): the lowest and the highest point of each of about this many runs of
+consecutive points, so a lone spike, a dip or a skip's mark stays seen; a shorter one, every point."""
+
+
+def thinned(xs: Any, ys: Any, buckets: int = THIN_BUCKETS) -> tuple[Any, Any]:
+    """The points of a line a plot draws (``xs`` rising, numpy arrays): all of them when there are
+    at most ``2 * buckets``; else the first, the last, and the lowest and highest of each run of
+    ``ceil(len / buckets)`` consecutive points, in step order (review 55b: a million steps drew a
+    million points a line, and one spike among them must stay).
+
+    Example (one spike among 10,000 points: kept)::
+
+        >>> import numpy as np
+        >>> xs = np.arange(1, 10_001); ys = np.ones(10_000); ys[4321] = 50.0
+        >>> tx, ty = thinned(xs, ys, buckets=100)
+        >>> len(tx) <= 202, float(ty.max()), int(tx[ty.argmax()]), int(tx[0]), int(tx[-1])
+        (True, 50.0, 4322, 1, 10000)
+        >>> thinned(xs[:5], ys[:5])[0].tolist()  # (a short line: every point)
+        [1, 2, 3, 4, 5]
+    """
+    import numpy as np
+
+    n = len(xs)
+    if n <= 2 * buckets:
+        return xs, ys
+    size = -(-n // buckets)
+    runs = -(-n // size)  # (each run holds a point: the last one's padding is less than a run)
+    values = np.asarray(ys, dtype=np.float64)
+    padded = np.full(runs * size, np.nan)
+    padded[:n] = values
+    grid = padded.reshape(runs, size)
+    base = np.arange(runs) * size
+    lows = base + np.where(np.isnan(grid), np.inf, grid).argmin(axis=1)
+    highs = base + np.where(np.isnan(grid), -np.inf, grid).argmax(axis=1)
+    kept = np.unique(np.concatenate([[0, n - 1], lows, highs]))
+    return np.asarray(xs)[kept], values[kept]
+
+
+def _thinned_marks(marks: Any, first: int, last: int, buckets: int = THIN_BUCKETS) -> Any:
+    """A skip's marks (steps, rising) to draw: each of them when there are at most ``2 * buckets``;
+    else the first of each of ``2 * buckets`` equal spans of the steps ``first..last`` that holds
+    one (each span under a pixel wide: every skip still marked where it was).
+
+    Example::
+
+        >>> import numpy as np
+        >>> _thinned_marks(np.arange(1, 1001), 1, 1000, buckets=10).tolist()[:3], len(_thinned_marks(np.array([7]), 1, 9))
+        ([1, 51, 101], 1)
+    """
+    import numpy as np
+
+    if len(marks) <= 2 * buckets:
+        return marks
+    spans = (marks - first) * (2 * buckets) // max(1, last - first + 1)
+    return marks[np.unique(spans, return_index=True)[1]]
+
+
+def _changes_at(steps: Any, policy: Sequence[dict[str, Any]]) -> list[int]:
+    """The steps a threshold line needs to be drawn from for a run of more than ``2 *``
+    :data:`THIN_BUCKETS` steps: the first, the last, and the first after each change of ``policy``
+    (:func:`threshold_by_step` holds its value between them); every step for a shorter run."""
+    import numpy as np
+
+    if len(steps) <= 2 * THIN_BUCKETS:
+        return steps.tolist()
+    after = np.searchsorted(steps, [c["step"] for c in policy], side="right")
+    return sorted({int(steps[0]), int(steps[-1]), *(int(steps[i]) for i in after if i < len(steps))})
+
+
+def _draw(fig: Any, axes: Any, rows: Sequence[Row] | StepColumns, heat: list[HeadroomRow], *,
+          max_norm: float | None, window: int,
           alert_rate: float, fail_rate: float | None, alert_bits: float | None, title: str,
           min_steps: int = DEFAULT_MIN_STEPS, init_scale: float = 1.0, policy: Sequence[dict[str, Any]] = (), rollbacks: Sequence[dict[str, Any]] = (),
           restarts: Mapping[int, float] | None = None, scale_floor: float = 1.0, unobserved: int = 0) -> None:
     """:func:`plot_run`'s panels on ``axes`` (five, and the headroom heatmap with ``heat``). The rolling
-    skip rate begins after the ``unobserved`` steps (:func:`unobserved_of`), as the run's monitor did."""
+    skip rate begins after the ``unobserved`` steps (:func:`unobserved_of`), as the run's monitor did.
+    A line of many steps is drawn :func:`thinned` (its lows and highs kept), a skip's marks
+    :func:`_thinned_marks`; a run of up to ``2 *`` :data:`THIN_BUCKETS` steps, every point."""
+    import numpy as np
+
+    columns = rows if isinstance(rows, StepColumns) else StepColumns.of(rows)
     ax_loss, ax_norm, ax_scale, ax_lr, ax_skip = axes[:5]
-    steps = [r.step for r in rows]
+    steps = columns.steps
 
-    def finite(values: list[float | None], positive: bool = False) -> tuple[list[int], list[float]]:
-        return finite_points(rows, values, positive)
+    def finite(values: Any, positive: bool = False) -> tuple[Any, Any]:
+        keep = np.isfinite(values) & (values > 0) if positive else np.isfinite(values)
+        return thinned(steps[keep], values[keep])
 
-    losses = [r.loss for r in rows]
-    xs, ys = finite(losses)
-    log_loss = bool(ys) and min(ys) > 0
+    xs, ys = finite(columns.loss)
+    log_loss = bool(len(ys)) and ys.min() > 0
     ax_loss.plot(xs, ys, lw=1, color="tab:blue", label="loss (mean of the step's micro-batches)", **dots(xs))
     if log_loss:
         ax_loss.set_yscale("log")
         ax_loss.set_ylabel("loss (log)")
     else:
-        _linear_y(ax_loss, ys, "loss")
+        _linear_y(ax_loss, ys.tolist(), "loss")
     panel_title(ax_loss, "Loss")
 
     for values, label, colour in (
-        ([r.grad_l2_pre_clip for r in rows], "pre-clip", "tab:purple"),
-        ([r.grad_l2_post_clip for r in rows], "post-clip", "tab:green"),
+        (columns.grad_l2_pre_clip, "pre-clip", "tab:purple"),
+        (columns.grad_l2_post_clip, "post-clip", "tab:green"),
     ):
         xs, ys = finite(values, positive=True)
         ax_norm.plot(xs, ys, lw=1, color=colour, label=f"{label} global L2 norm", **dots(xs))
-    threshold_line(ax_norm, steps, threshold_by_step(steps, "max_norm", max_norm, policy), "max_norm",
+    changes = _changes_at(steps, policy)
+    threshold_line(ax_norm, changes, threshold_by_step(changes, "max_norm", max_norm, policy), "max_norm",
                    color="black", ls="--", lw=1)
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient norm (log)")
     panel_title(ax_norm, "Global gradient L2 norm, before and after clipping")
 
-    xs, ys = finite([r.scaler_scale for r in rows], positive=True)
-    ax_scale.step(xs, [math.log2(v) for v in ys], where="post", color="tab:brown", lw=1.2, label="log2(scale)",
-                  **dots(xs))
+    xs, ys = finite(columns.scaler_scale, positive=True)
+    ax_scale.step(xs, np.log2(ys), where="post", color="tab:brown", lw=1.2, label="log2(scale)", **dots(xs))
     ax_scale.set_ylabel("log2(loss scale)")
     panel_title(ax_scale, "Loss scale (after each step's update; 1.0 = no scaler)")
 
-    xs, ys = finite([r.lr for r in rows])
+    xs, ys = finite(columns.lr)
     ax_lr.plot(xs, ys, color="tab:cyan", lw=1.2, label="learning rate (param group 0)", **dots(xs))
-    _linear_y(ax_lr, ys, "learning rate")
+    _linear_y(ax_lr, ys.tolist(), "learning rate")
     panel_title(ax_lr, "Learning rate")
 
-    observed = [r for r in rows if r.step > unobserved]
-    rates = [math.nan] * (len(rows) - len(observed)) + rolling_skip_rate(observed, window, rollbacks, min_steps, policy)
-    ax_skip.plot(steps, rates, color="tab:red", lw=1.2, label=f"rolling skip rate (window {window})",
-                 **dots([r.step for r in observed]))  # (one observed step after the unobserved: a dot, not nothing)
-    alert_rates = threshold_by_step(steps, "monitor.alert_rate", alert_rate, policy)
-    fail_rates = threshold_by_step(steps, "monitor.fail_rate", fail_rate, policy)
-    threshold_line(ax_skip, steps, alert_rates, "alert_rate", color="tab:orange", ls="--", lw=1)
-    threshold_line(ax_skip, steps, fail_rates, "fail_rate", color="tab:red", ls=":", lw=1)
+    observed = columns.after(unobserved)
+    rates = np.array(rolling_skip_rate(observed, window, rollbacks, min_steps, policy), dtype=np.float64)
+    label = f"rolling skip rate (window {window})"
+    if len(steps) <= 2 * THIN_BUCKETS:  # (the steps before the observed ones: no rate, a gap)
+        ax_skip.plot(steps, np.concatenate([np.full(len(steps) - len(observed), np.nan), rates]), color="tab:red",
+                     lw=1.2, label=label, **dots(observed.steps))  # (one observed step after the unobserved: a dot)
+    else:
+        ax_skip.plot(*thinned(observed.steps, rates), color="tab:red", lw=1.2, label=label)
+    alert_rates = threshold_by_step(changes, "monitor.alert_rate", alert_rate, policy)
+    fail_rates = threshold_by_step(changes, "monitor.fail_rate", fail_rate, policy)
+    threshold_line(ax_skip, changes, alert_rates, "alert_rate", color="tab:orange", ls="--", lw=1)
+    threshold_line(ax_skip, changes, fail_rates, "fail_rate", color="tab:red", ls=":", lw=1)
     ax_skip.set_ylim(0, max(0.1, *(v * 1.5 for v in alert_rates + fail_rates if v is not None),
-                            *(v * 1.2 for v in rates if not math.isnan(v))))
+                            *((float(rates.max()) * 1.2,) if len(rates) else ())))
     ax_skip.set_ylabel("skip rate")
     panel_title(ax_skip, "Rolling skip rate")
     axes[-1].set_xlabel("step")
     whole_steps(axes[-1])
+    first, last = int(steps[0]), int(steps[-1])
     if heat:
-        headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(rows, init_scale, restarts),
-                       run_steps=(steps[0], steps[-1]), scale_floor=scale_floor)
+        headroom_panel(fig, axes[5], heat, alert_bits, scale_at=_scale_used(columns, init_scale, restarts),
+                       run_steps=(first, last), scale_floor=scale_floor)
 
     for reason in SKIP_REASONS:
-        marks = [r.step for r in rows if r.skipped and r.skip_reason == reason]
-        if not marks:
+        marks = columns.reason_steps(reason)
+        if not len(marks):
             continue
+        drawn = _thinned_marks(marks, first, last)
         for i, ax in enumerate(axes):
-            ax.vlines(marks, 0, 1, transform=ax.get_xaxis_transform(), color=REASON_COLOURS[reason], alpha=0.35,
+            ax.vlines(drawn, 0, 1, transform=ax.get_xaxis_transform(), color=REASON_COLOURS[reason], alpha=0.35,
                       lw=1, label=f"skipped: {reason} ({len(marks)})" if i == 0 else None)
     for ax in axes[:5]:
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
-    skipped = sum(r.skipped for r in rows)
-    fig.suptitle(f"{title}: {counted(len(rows), 'step')}, {skipped} skipped", fontsize=13)
+    skipped = int(columns.skipped.sum())
+    fig.suptitle(f"{title}: {counted(len(columns), 'step')}, {skipped} skipped", fontsize=13)
 
 
 def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float | None = None,
@@ -1225,7 +1312,7 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
     return mesh
 
 
-def _scale_used(rows: list[Row], init_scale: float, restarts: Mapping[int, float] | None = None
+def _scale_used(rows: Sequence[Row] | StepColumns, init_scale: float, restarts: Mapping[int, float] | None = None
                 ) -> Callable[[int], float | None]:
     """The loss scale a step ran with: the one ``restarts`` names for it (:func:`scale_restarts`:
     a rollback's or a resume's), else the scale after the step before it (the row before's
@@ -1242,7 +1329,13 @@ def _scale_used(rows: list[Row], init_scale: float, restarts: Mapping[int, float
     """
     import bisect
 
-    steps, restarts = [r.step for r in rows], dict(restarts or {})
+    restarts = dict(restarts or {})
+    if isinstance(rows, StepColumns):  # (a plot's columns: NaN is an empty cell)
+        steps, scales = rows.steps, rows.scaler_scale
+        return lambda step: restarts[step] if step in restarts else (
+            (None if math.isnan(scales[i - 1]) else float(scales[i - 1]))
+            if (i := int(steps.searchsorted(step))) else init_scale)
+    steps = [r.step for r in rows]
     return lambda step: restarts[step] if step in restarts else (
         rows[i - 1].scaler_scale if (i := bisect.bisect_left(steps, step)) else init_scale)
 
@@ -1252,7 +1345,7 @@ def _a_scale(value: Any) -> bool:
     return finite_number(value) and value > 0
 
 
-def scale_restarts(run_dir: Path | LoggedEvents, rows: list[Row], init_scale: float) -> dict[int, float]:
+def scale_restarts(run_dir: Path | LoggedEvents, rows: Sequence[Row] | StepColumns, init_scale: float) -> dict[int, float]:
     """The steps of a fp16 run whose loss scale was not the one the step before left: after a
     rollback to the checkpoint of step c, the scale after step c (the run's first scale for its
     start); after a resume that changed ``scaler.init_scale``, the new one (:func:`_events_kept`'s
@@ -1272,7 +1365,7 @@ def scale_restarts(run_dir: Path | LoggedEvents, rows: list[Row], init_scale: fl
         {1: 65536.0, 3: 64.0, 6: 8192.0}
         >>> shutil.rmtree(folder)
     """
-    after = {r.step: r.scaler_scale for r in rows}
+    after = rows.scale_after if isinstance(rows, StepColumns) else {r.step: r.scaler_scale for r in rows}.get
     events = _events_kept(run_dir, lambda e: e.get("event") in ("rollback", "policy_change")
                           and isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool))
     changes = [e for e in events if e["event"] == "policy_change" and e.get("key") == "scaler.init_scale"
@@ -1281,7 +1374,7 @@ def scale_restarts(run_dir: Path | LoggedEvents, rows: list[Row], init_scale: fl
     restarts: dict[int, float] = {1: first} if first != init_scale else {}
     for event in events:
         if event["event"] == "rollback" and (to := _checkpoint_step(event)) is not None:
-            scale = first if to == 0 else after.get(to)
+            scale = first if to == 0 else after(to)
         elif event in changes:
             scale = float(event["new"])
         else:
@@ -1333,8 +1426,10 @@ def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def write_run_card(path: Path, config: Config, result: RunResult) -> None:
+def write_run_card(path: Path, config: Config, result: RunResult, plot: str | None = None) -> None:
     """``RUN.md``: what a teammate reads first: set-up, outcome, where everything is, why it ended.
+    ``plot``: what its ``plot`` row says in place of the file's name (:func:`write_report`: a
+    plot being drawn, or one that could not be).
 
     Example (a card written from a replayed CSV)::
 
@@ -1344,7 +1439,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
         >>> csv_path = folder / "steps.csv"
-        >>> from ampguard.sinks import CSV_COLUMNS
+        >>> from ampguard.sinks import CSV_COLUMNS, read_steps_csv
         >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
         ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n3,0.1,0.5,0.5,0.3,0,,32768.0\\n")
         >>> monitor = replay(read_steps_csv(csv_path), init_scale=65536.0)
@@ -1366,7 +1461,7 @@ def write_run_card(path: Path, config: Config, result: RunResult) -> None:
         f"**{result.ended}**",
         "## Set-up\n\n" + _table(_setup_rows(config, result)),
         "## Outcome\n\n" + _table(_outcome_rows(config, result)),
-        "## Files\n\n" + _table(_file_rows(config, result)),
+        "## Files\n\n" + _table(_file_rows(config, result, plot)),
     ])
     replace_atomically(path, text + "\n")  # a failed write never leaves the card half-written or empty
 
@@ -1532,8 +1627,9 @@ def _headroom_alerts(run_dir: Path | None, alert_bits: float) -> str:
         return "n/a (events.jsonl does not read)"
 
 
-def _file_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
-    """The run card's files: each by its name in the run folder, or ``not written``."""
+def _file_rows(config: Config, result: RunResult, plot: str | None = None) -> list[tuple[str, str]]:
+    """The run card's files: each by its name in the run folder, or ``not written``; the plot's
+    row ``plot`` when given."""
     paths = result.paths
 
     def written(p: Path | None) -> str:
@@ -1544,7 +1640,7 @@ def _file_rows(config: Config, result: RunResult) -> list[tuple[str, str]]:
         ("per-step CSV", written(paths.csv)),
         ("event log (JSON lines)", written(paths.events)),
         *((("headroom CSV", written(headroom)),) if headroom is not None else ()),
-        ("plot", written(paths.plot) if config.log.plot
+        ("plot", plot if plot is not None else written(paths.plot) if config.log.plot
          else "not drawn when the run ended (log.plot false: `ampguard report` draws it)"),
         ("effective config", written(paths.config)),
         ("checkpoints", (f"`checkpoints/` ({len(result.checkpoints)} kept, latest `{result.checkpoints[-1].name}`)"
@@ -1675,8 +1771,18 @@ def _summary_of(csv_path: Path) -> dict[str, Any]:
     return summary if isinstance(summary, dict) else {}
 
 
+PLOT_BEING_DRAWN = ("not drawn: the run's end was drawing it when this card was written, and did not finish "
+                    "(`ampguard report` draws it)")
+"""The run card's ``plot`` row while the run's end draws the plot (:func:`write_report`): the card
+stays saying so when the drawing never ends (a kill, the OOM killer)."""
+
+
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
-    """Run card and plot (``log.plot``); a plotting failure is reported, never allowed to lose the run card.
+    """Run card and plot (``log.plot``); a plotting failure is reported, never allowed to lose the
+    run card: the card is written first (its ``plot`` row :data:`PLOT_BEING_DRAWN`), then the plot
+    drawn, then the card again with the plot's row as it came out (the file's name, or why it
+    could not be drawn). Review 55b: the card came after the plot, and a plot killed while drawing
+    a long run (the OOM killer: no ``except`` catches it) left no card.
 
     Example (a CSV with no rows yet cannot be plotted; the card is written all the same)::
 
@@ -1705,19 +1811,25 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
         # the folder's file list and the trackers' upload do not offer it as this run's
         with contextlib.suppress(OSError):
             paths.plot.unlink()
+    if not config.log.plot:
+        write_run_card(paths.card, config, result)
+        return
+    write_run_card(paths.card, config, result, PLOT_BEING_DRAWN)
     try:
-        if config.log.plot:
-            plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
-                     alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
-                     min_steps=config.monitor.min_steps,
-                     title=f"run {paths.dir.name}" if paths.dir is not None else None,
-                     headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
-                     init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
-                     scale_floor=config.scaler.min_scale, note=lambda line: say(f"warning: {line}"),
-                     policy=policy_changes_of(log) if log is not None else (), events_dir=log,
-                     scaler_on=result.monitor.scaler_enabled)
+        plot_run(paths.csv, paths.plot, max_norm=config.max_norm, window=config.monitor.window,
+                 alert_rate=config.monitor.alert_rate, fail_rate=config.monitor.fail_rate,
+                 min_steps=config.monitor.min_steps,
+                 title=f"run {paths.dir.name}" if paths.dir is not None else None,
+                 headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
+                 init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
+                 scale_floor=config.scaler.min_scale, note=lambda line: say(f"warning: {line}"),
+                 policy=policy_changes_of(log) if log is not None else (), events_dir=log,
+                 scaler_on=result.monitor.scaler_enabled)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
+        why = first_line(err).replace("|", "\\|")  # (a cell of the card's table)
+        write_run_card(paths.card, config, result, f"not drawn: {why} (`ampguard report` draws it)")
+        return
     write_run_card(paths.card, config, result)
 
 

@@ -13,7 +13,6 @@ import csv
 import errno
 import functools
 import importlib.util
-import io
 import json
 import math
 import numbers
@@ -304,17 +303,128 @@ def read_steps_and_columns(path: str | Path, torn: list[str] | None = None
         ampguard.errors.InputError: .../steps.csv line 2: scaler_scale -1 is no loss scale (one is >= 0)
         >>> shutil.rmtree(folder)
     """
+    extra: list[dict[str, str]] = []
+    with _reading(path, torn) as reader:
+        return list(_rows(Path(path), reader, extra)), extra
+
+
+@contextlib.contextmanager
+def _reading(path: str | Path, torn: list[str] | None = None) -> Iterator[Iterator[list[str]]]:
+    """The rows of the per-step CSV at ``path`` as a ``csv.reader`` reads them, one line at a time
+    (:func:`_whole_lines`: a torn last line left out, into ``torn``); a file that is not there,
+    does not read, or is no CSV is one :class:`InputError` line."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no such CSV file: {path}")
-    extra: list[dict[str, str]] = []
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:  # (a spreadsheet's byte-order mark: read past)
-            return list(_rows(path, csv.reader(_whole_lines(f, torn)), extra)), extra
+            yield csv.reader(_whole_lines(f, torn))
     except (UnicodeDecodeError, csv.Error) as err:
         raise InputError(f"{path}: not a readable CSV ({err})") from None
     except OSError as err:  # (a file that cannot be read: permissions, an I/O error)
         raise InputError(f"{path}: cannot read it ({failed_because(err)})") from None
+
+
+class StepColumns:
+    """The columns of a per-step CSV a plot draws, in compact arrays (numpy's, one number a step
+    and column: ~50 bytes a step, where a :class:`Row` and its cells took ~650; review 55b: a plot
+    of a million steps held 1.2 GB): ``steps`` (int64), ``lr``, ``grad_l2_pre_clip``,
+    ``grad_l2_post_clip``, ``loss``, ``scaler_scale`` (float64, NaN for an empty cell: a
+    ``scaler_scale`` is never a NaN written, :func:`_rows` refuses one), ``skipped`` (bool) and
+    ``reasons`` (uint8: 0 none, else 1 + the index in :data:`~ampguard.records.SKIP_REASONS`).
+    :func:`read_step_columns` reads them.
+
+    Example::
+
+        >>> rows = [Row(1, 0.1, 2.0, 1.0, 0.5, False, "", 65536.0), Row(2, 0.1, None, None, 0.4, True,
+        ...         "non_finite_grad", 32768.0)]
+        >>> columns = StepColumns.of(rows)
+        >>> len(columns), columns.steps.tolist(), columns.grad_l2_pre_clip.tolist(), columns.skipped.tolist()
+        (2, [1, 2], [2.0, nan], [False, True])
+        >>> columns.scale_after(2), columns.reason_steps("non_finite_grad").tolist()
+        (32768.0, [2])
+    """
+
+    NUMBERS = ("lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "scaler_scale")
+
+    def __init__(self) -> None:
+        from array import array
+
+        self._steps, self._reasons = array("q"), bytearray()
+        self._numbers = {name: array("d") for name in self.NUMBERS}
+
+    @classmethod
+    def of(cls, rows: Iterable[Row]) -> StepColumns:
+        """The columns of ``rows``, one at a time (a stream: none of them kept)."""
+        columns = cls()
+        add_step, add_reason = columns._steps.append, columns._reasons.append
+        adds = [columns._numbers[name].append for name in cls.NUMBERS]
+        code = {reason: n for n, reason in enumerate(SKIP_REASONS, start=1)}
+        nan = math.nan
+        for row in rows:
+            add_step(row.step)
+            add_reason(code.get(row.skip_reason, 0) if row.skipped else 0)
+            for add, value in zip(adds, (row.lr, row.grad_l2_pre_clip, row.grad_l2_post_clip, row.loss,
+                                         row.scaler_scale)):
+                add(nan if value is None else value)
+        columns._seal()
+        return columns
+
+    def _seal(self) -> None:
+        import numpy as np
+
+        self.steps = np.frombuffer(self._steps, dtype=np.int64) if self._steps else np.zeros(0, np.int64)
+        for name, values in self._numbers.items():
+            setattr(self, name, np.frombuffer(values, dtype=np.float64) if values else np.zeros(0))
+        self.reasons = np.frombuffer(bytes(self._reasons), dtype=np.uint8) if self._reasons else np.zeros(0, np.uint8)
+        self.skipped = self.reasons > 0
+        del self._reasons
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def after(self, step: int) -> StepColumns:
+        """The columns of the rows after ``step`` (views of these arrays: nothing copied)."""
+        import numpy as np
+
+        first = int(np.searchsorted(self.steps, step, side="right"))
+        later = StepColumns.__new__(StepColumns)
+        for name in ("steps", "skipped", "reasons", *self.NUMBERS):
+            setattr(later, name, getattr(self, name)[first:])
+        return later
+
+    def reason_steps(self, reason: str) -> Any:
+        """The steps skipped for ``reason``."""
+        return self.steps[self.reasons == SKIP_REASONS.index(reason) + 1]
+
+    def scale_after(self, step: int) -> float | None:
+        """The ``scaler_scale`` of the row of ``step`` (``None``: no such row, or its cell empty)."""
+        import numpy as np
+
+        i = int(np.searchsorted(self.steps, step))
+        if i == len(self.steps) or self.steps[i] != step or math.isnan(self.scaler_scale[i]):
+            return None
+        return float(self.scaler_scale[i])
+
+
+def read_step_columns(path: str | Path, torn: list[str] | None = None) -> StepColumns:
+    """The :class:`StepColumns` of the per-step CSV at ``path``, read as a stream: each row
+    checked as :func:`read_steps_csv` checks it (the same :class:`InputError` lines), none kept.
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> csv_path = folder / "steps.csv"
+        >>> _ = csv_path.write_text(",".join(CSV_COLUMNS) + "\\n1,0.1,2.0,1.0,0.5,0,,65536.0\\n"
+        ...                         "2,0.1,inf,,0.4,1,non_finite_grad,32768.0\\n")
+        >>> columns = read_step_columns(csv_path)
+        >>> columns.steps.tolist(), columns.grad_l2_post_clip.tolist(), columns.skipped.tolist()
+        ([1, 2], [1.0, nan], [False, True])
+        >>> shutil.rmtree(folder)
+    """
+    with _reading(path, torn) as reader:
+        return StepColumns.of(_rows(Path(path), reader, None))
 
 
 def _whole_lines(lines: Iterable[str], torn: list[str] | None = None) -> Iterator[str]:
@@ -335,7 +445,9 @@ def _whole_lines(lines: Iterable[str], torn: list[str] | None = None) -> Iterato
         yield line
 
 
-def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) -> Iterator[Row]:
+def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]] | None) -> Iterator[Row]:
+    """Each row the ``reader`` reads, checked (one :class:`InputError` line naming the line); each
+    row's cells after the fixed eight appended to ``extra`` (``None``: not kept, a plot's read)."""
     header = next(reader, None)
     if header is None or header == [""] or header == ["\ufeff"]:  # (no line; a byte-order mark alone)
         raise InputError(f"{path} is empty (no header, no step)")
@@ -344,15 +456,16 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
     twice = [name for name, n in Counter(header).items() if n > 1]
     if twice:  # (a metric named like a fixed column: which of the two is the loss?)
         raise InputError(f"{path}: the header names {', '.join(map(repr, twice))} more than once")
-    fixed = len(CSV_COLUMNS)
+    fixed, name = len(CSV_COLUMNS), str(path)
     previous = 0
     for line_no, cells in enumerate(reader, start=2):
-        where = f"{path} line {line_no}"
+        where = f"{name} line {line_no}"
         if not cells:  # a blank line (an editor's at the end): no row
             continue
         if len(cells) != len(header):
             raise InputError(f"{where}: {len(cells)} cells, the header has {len(header)}")
-        extra.append(dict(zip(header[fixed:], cells[fixed:])))
+        if extra is not None:
+            extra.append(dict(zip(header[fixed:], cells[fixed:])))
         cell = dict(zip(CSV_COLUMNS, cells))  # the fixed eight, by position
         try:
             if not (cell["step"].isascii() and cell["step"].isdigit()):  # (int() takes "1_000", " 7", "+7")
@@ -393,15 +506,24 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]]) 
         yield Row(step=step, skipped=skipped, skip_reason=reason, **numbers)
 
 
-def _read_back(path: Path, kept: bytes, refused: str = "cannot resume from it") -> None:
-    """One :class:`InputError` line unless ``kept`` (the lines of ``path`` a resume keeps) reads as
-    :func:`read_steps_and_columns` reads a run's steps.csv: an append to a row ``report`` refuses
-    would leave a run no one can read back (a number cell edited by hand, a NUL in it).
-    ``refused`` ends the line (:func:`_refused`)."""
+def _read_back(path: Path, kept: Iterable[str], refused: str = "cannot resume from it") -> None:
+    """One :class:`InputError` line unless ``kept`` (the lines of ``path`` a resume keeps, the
+    header first, each a whole line) reads as :func:`read_steps_and_columns` reads a run's
+    steps.csv: an append to a row ``report`` refuses would leave a run no one can read back (a
+    number cell edited by hand, a NUL in it). ``refused`` ends the line (:func:`_refused`). The
+    lines are read one at a time, none kept (review 55b: a resume held a million rows' cells).
+
+    Example::
+
+        >>> _read_back(Path("steps.csv"), [",".join(CSV_COLUMNS) + "\\n", "1,0.1,1,1,0.5,0,,x\\n"])
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: steps.csv line 2: column scaler_scale holds 'x', not a number; cannot resume from it
+    """
     extra: list[dict[str, str]] = []
     try:
-        for _ in _rows(path, csv.reader(io.StringIO(kept.decode("utf-8"), newline="")), extra):  # (as the file reads)
-            metric_values(extra[-1], f"{path} line {len(extra) + 1}")
+        for line_no, _ in enumerate(_rows(path, csv.reader(kept), extra), start=2):  # (as the file reads)
+            metric_values(extra.pop(), f"{path} line {line_no}")
     except InputError as err:
         raise InputError(f"{err}; {refused}") from None
 
@@ -547,9 +669,9 @@ def _was_cut(path: Path, step: int, purpose: str) -> str:
     return f"{shown(path)} was cut back to step {step} {purpose}"
 
 
-def _cut(path: Path, kept: bytes, step: int, purpose: str = RESUME) -> None:
+def _cut(path: Path, kept: bytes | Callable[[IO[bytes]], None], step: int, purpose: str = RESUME) -> None:
     """A resume's cut (or, ``purpose``, a loop's new attempt's: :meth:`_LineFile.begin_again`):
-    ``kept`` made the whole of the log at ``path`` (``replace_atomically``, through its link: a
+    ``kept`` (bytes, or what writes them: :func:`replace_atomically`'s ``data``) made the whole of the log at ``path`` (``replace_atomically``, through its link: a
     link stays one, its target cut). A cut that cannot be made (a link into a folder this user may
     not write, where the file is rewritten beside itself; a folder on the way swapped for a link)
     is one :class:`InputError` line naming the file and why, the file as it was; a full disk
@@ -948,11 +1070,19 @@ class CsvSink(_LineFile):
         (:meth:`kept_rows`): for a log a resume cuts back but does not append to (``headroom.csv``
         when the resumed run has the monitor off: its rows after the step are of the abandoned
         timeline). A CSV that is a link stays one, its target cut."""
-        _cut(path, CsvSink.kept_rows(path, width, step, purpose=purpose, read_back=read_back), step, purpose)
+        with path.open("rb") as f:
+            prefix = _kept_lines(path, f, width, step, None, purpose, read_back, None)
+            if prefix is not None:  # (the kept lines are the file's first bytes, as is usual: copied from it, not held)
+                _cut(path, functools.partial(_copy_head, f, prefix), step, purpose)
+                return
+            f.seek(0)  # (a blank line among them, a header made whole: read again, the lines kept joined)
+            kept = bytearray()
+            _kept_lines(path, f, width, step, None, purpose, read_back, kept.extend)
+        _cut(path, bytes(kept), step, purpose)
 
     @staticmethod
     def kept_rows(path: Path, width: int, step: int, first: int | None = None, purpose: str = RESUME,
-                  read_back: Callable[[Path, bytes, str], None] | None = None) -> bytes:
+                  read_back: Callable[[Path, Iterable[str], str], None] | None = None) -> bytes:
         """The bytes of the CSV at ``path`` a resume from ``step`` keeps: the header and the rows
         up to ``step``, each checked (UTF-8, ``width`` cells, an ASCII whole-number step; else
         one :class:`InputError` line); a torn last line and the rows after ``step`` left out.
@@ -964,6 +1094,8 @@ class CsvSink(_LineFile):
         reader, ``headroom.csv``'s; one :class:`InputError` line ending in ``refused`` when one
         does not). Reads only: a resume checks every log with it before it cuts any (``Trainer``).
         ``purpose`` (:func:`_cut`'s): what a refusal says it cannot do, a resume or the loop's new attempt.
+        The file is read one line at a time (:func:`_kept_lines`), only the bytes kept held: a
+        resume's check of them, :meth:`check_kept_rows`, holds none.
 
         Example::
 
@@ -983,48 +1115,19 @@ class CsvSink(_LineFile):
             steps.csv line 5: step 2 where step 4 should be (a step goes back); cannot resume into it
             steps.csv line 2: column lr holds '0.\\x001', not a number; cannot resume from it
         """
-        refused, into = _refused(purpose), _refused(purpose, "into")
-        lines = path.read_bytes().splitlines(keepends=True)
-        keep = [_whole(lines[0])] if lines else []  # (a header its writer's newline never reached: whole)
-        expected, beyond = first, ""
-        for line_no, raw in enumerate(lines[1:], start=2):
-            if not raw.endswith(b"\n"):  # a torn last line (a write cut short): it goes
-                break
-            if not raw.strip():  # a blank line (an editor's at the end): no row, as the reader takes it
-                continue
-            where = f"{path} line {line_no}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise InputError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}), "
-                                 f"{refused}") from None
-            try:
-                cells = next(csv.reader([line]), [])
-            except csv.Error as err:  # (a cell past the csv module's field limit, 128 KiB)
-                raise InputError(f"{where}: not a row of this CSV ({err}); {refused}") from None
-            if len(cells) != width:
-                raise InputError(f"{where}: {len(cells)} cells, the header has {width}; {refused}")
-            if not (cells[0].isascii() and cells[0].isdigit()):
-                raise InputError(f"{where}: step {cells[0]!r} is not a step number (a whole number from 1), "
-                                 f"{refused}")
-            n = int(cells[0])
-            if expected is not None and n != expected and (n <= step or n < expected):
-                why = "a row is missing" if n > expected else "a step goes back"
-                raise InputError(f"{where}: step {n} where step {expected} should be ({why}); {into}")
-            if n > step:
-                if expected is not None and n != expected:  # (past the checkpoint's step, but not the next row)
-                    beyond = f" (line {line_no} holds step {brief(n)})"
-                break
-            keep.append(raw)
-            expected = None if expected is None else expected + 1
-        if first is not None and read_back is None:  # (a run's own steps.csv): each row kept is one report reads
-            read_back = _read_back
-        if read_back is not None:  # cell by cell
-            read_back(path, b"".join(keep), refused)
-        if expected is not None and expected <= step:
-            raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}{beyond}, the checkpoint is at step {step} "
-                               f"(rows missing); {into}", expected - 1)
-        return b"".join(keep)
+        kept = bytearray()
+        with path.open("rb") as f:
+            _kept_lines(path, f, width, step, first, purpose, read_back, kept.extend)
+        return bytes(kept)
+
+    @staticmethod
+    def check_kept_rows(path: Path, width: int, step: int, first: int | None = None, purpose: str = RESUME,
+                        read_back: Callable[[Path, Iterable[str], str], None] | None = None) -> None:
+        """:meth:`kept_rows`' checks, its refusals, and nothing kept: a resume's look at every log
+        before it cuts any (``Trainer``), its memory one line's whatever the file's length
+        (review 55b: 825 MiB for a million rows)."""
+        with path.open("rb") as f:
+            _kept_lines(path, f, width, step, first, purpose, read_back, None)
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Append one row, :func:`csv_row`'s cells in the header's order, in one unbuffered write:
@@ -1082,6 +1185,125 @@ def _whole(line: bytes) -> bytes:
         (b'step,lr\\n', b'step,lr\\n')
     """
     return line if line.endswith(b"\n") else line + b"\n"
+
+
+class _Refused(Exception):
+    """:func:`_kept_lines`' refusal of a line, carried out past a ``read_back`` reading its lines
+    (which would take an :class:`InputError` for its own)."""
+
+    def __init__(self, error: InputError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _kept_lines(path: Path, f: IO[bytes], width: int, step: int, first: int | None, purpose: str,
+                read_back: Callable[[Path, Iterable[str], str], None] | None,
+                keep: Callable[[bytes], None] | None) -> int | None:
+    """:meth:`CsvSink.kept_rows`' work on ``f`` (the CSV at ``path``, opened), one line at a time:
+    each line kept handed to ``keep`` (the header first), and, as it is read, to ``read_back``
+    (:func:`_read_back` for a run's own steps.csv, ``first`` given). The refusals are the ones a
+    read of the whole file made, in its order: a line that is no row of it before any row
+    ``read_back`` refuses, both before :class:`RowsEndEarly`. Returns how many of the file's first
+    bytes the kept lines are, or ``None`` where they are not its first bytes (a blank line or a
+    header without its newline left out or made whole between them).
+
+    Example::
+
+        >>> import io
+        >>> kept = []
+        >>> text = b"step,lr\\n1,0.1\\n\\n2,0.1\\n3,0.1\\n4,0."
+        >>> _kept_lines(Path("x.csv"), io.BytesIO(text), 2, 2, None, RESUME, None, kept.append), kept
+        (None, [b'step,lr\\n', b'1,0.1\\n', b'2,0.1\\n'])
+        >>> _kept_lines(Path("x.csv"), io.BytesIO(text.replace(b"\\n\\n", b"\\n")), 2, 2, None, RESUME, None, None)
+        20
+    """
+    refused, into = _refused(purpose), _refused(purpose, "into")
+    if first is not None and read_back is None:  # (a run's own steps.csv): each row kept is one report reads
+        read_back = _read_back
+    found = {"expected": first, "beyond": "", "end": 0, "gap": False, "prefix": True}
+
+    def lines() -> Iterator[bytes]:  # (bytes.splitlines' lines, the whole file's: each chunk ends at a b"\\n")
+        for chunk in f:
+            yield from chunk.splitlines(keepends=True)
+
+    def kept() -> Iterator[str]:
+        numbered = enumerate(lines(), start=1)
+        for _, head in numbered:  # (a header its writer's newline never reached: whole)
+            whole = _whole(head)
+            found["prefix"], found["end"] = whole == head, len(head)
+            if keep is not None:
+                keep(whole)
+            yield whole.decode("utf-8", errors="surrogateescape")
+            break
+        offset = found["end"]
+        for line_no, raw in numbered:
+            offset += len(raw)
+            if not raw.endswith(b"\n"):  # a torn last line (a write cut short): it goes
+                return
+            if not raw.strip():  # a blank line (an editor's at the end): no row, as the reader takes it
+                found["gap"] = True
+                continue
+            where = f"{path} line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _Refused(InputError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                          f"{err.start + 1}), {refused}")) from None
+            try:
+                cells = next(csv.reader([line]), [])
+            except csv.Error as err:  # (a cell past the csv module's field limit, 128 KiB)
+                raise _Refused(InputError(f"{where}: not a row of this CSV ({err}); {refused}")) from None
+            if len(cells) != width:
+                raise _Refused(InputError(f"{where}: {len(cells)} cells, the header has {width}; {refused}"))
+            if not (cells[0].isascii() and cells[0].isdigit()):
+                raise _Refused(InputError(f"{where}: step {cells[0]!r} is not a step number (a whole number from 1), "
+                                          f"{refused}"))
+            n, expected = int(cells[0]), found["expected"]
+            if expected is not None and n != expected and (n <= step or n < expected):
+                why = "a row is missing" if n > expected else "a step goes back"
+                raise _Refused(InputError(f"{where}: step {n} where step {expected} should be ({why}); {into}"))
+            if n > step:
+                if expected is not None and n != expected:  # (past the checkpoint's step, but not the next row)
+                    found["beyond"] = f" (line {line_no} holds step {brief(n)})"
+                return
+            if found["gap"]:  # (a blank line left out before it: the kept lines are no longer the file's first)
+                found["prefix"] = False
+            found["end"] = offset
+            if keep is not None:
+                keep(raw)
+            found["expected"] = None if expected is None else expected + 1
+            yield line
+
+    source, deferred = kept(), None
+    try:
+        if read_back is not None:  # cell by cell, as the lines are read
+            try:
+                read_back(path, source, refused)
+            except InputError as err:  # (said after the lines left are checked: a line that is no row says first)
+                deferred = err
+        for _ in source:  # (the lines read_back left, or all of them)
+            pass
+    except _Refused as refusal:
+        raise refusal.error from None
+    if deferred is not None:
+        raise deferred
+    expected = found["expected"]
+    if expected is not None and expected <= step:
+        raise RowsEndEarly(f"{path}: its rows end at step {expected - 1}{found['beyond']}, the checkpoint is at step "
+                           f"{step} (rows missing); {into}", expected - 1)
+    return found["end"] if found["prefix"] else None
+
+
+def _copy_head(source: IO[bytes], size: int, target: IO[bytes]) -> None:
+    """The first ``size`` bytes of ``source`` written to ``target``, a MiB at a time (a cut's
+    kept lines, :meth:`CsvSink.cut_after`: never held whole)."""
+    source.seek(0)
+    while size > 0:
+        chunk = source.read(min(size, 1 << 20))
+        if not chunk:  # (the file shortened meanwhile: what there is)
+            break
+        target.write(chunk)
+        size -= len(chunk)
 
 
 def _last_step(path: Path, tail: int = 1 << 16, records: bool = False) -> int | None:

@@ -297,7 +297,7 @@ class Trainer:
             CsvSink.check_header(path, names, expected)
             if path is not None and path.is_file():  # (steps.csv: every step from 1 to the checkpoint's)
                 try:
-                    CsvSink.kept_rows(path, len(names), step, first=1 if path == paths.csv else None,
+                    CsvSink.check_kept_rows(path, len(names), step, first=1 if path == paths.csv else None,
                                       read_back=read_back)
                 except RowsEndEarly as short:  # (its tail lost in a crash): the newest checkpoint it reaches
                     reached = [p for p in list_checkpoints(paths.checkpoints) if checkpoint_step(p) <= short.last]

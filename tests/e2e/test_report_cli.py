@@ -274,7 +274,7 @@ def test_report_bad_csv_exits_2_with_one_line_and_no_png(cli, tmp_path, snapshot
 def test_report_the_good_rows_above_are_good(cli, tmp_path):
     # The bad cases differ from this file in one place each.
     (tmp_path / "good.csv").write_text(_csv(HEADER, *GOOD_ROWS), encoding="utf-8")
-    from ampguard.report import read_steps_csv
+    from ampguard.sinks import read_steps_csv
 
     rows = read_steps_csv(tmp_path / "good.csv")
     assert [(r.step, r.skipped, r.skip_reason) for r in rows] == [

@@ -14,7 +14,8 @@ from helpers import png_size
 from ampguard import compare
 from ampguard.config import dump_config, validate
 from ampguard.errors import InputError
-from ampguard.report import read_steps_csv, replay
+from ampguard.report import replay
+from ampguard.sinks import read_steps_csv
 from ampguard.sinks import CSV_COLUMNS
 
 HEADER = ",".join(CSV_COLUMNS)

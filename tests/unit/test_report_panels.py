@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from ampguard.report import _draw, read_steps_csv
-from ampguard.sinks import CSV_COLUMNS
+from ampguard.report import _draw
+from ampguard.sinks import CSV_COLUMNS, read_steps_csv
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
