@@ -19,7 +19,6 @@ from helpers import card_table
 from ampguard import report
 from ampguard.config import validate
 from ampguard.errors import ExitCode
-from ampguard.monitor import RunMonitor
 from ampguard.run_folder import RunPaths, RunResult
 from ampguard.sinks import CSV_COLUMNS, CsvSink, read_steps_csv
 
