@@ -792,3 +792,35 @@ def make_parents(path: str | os.PathLike, made: list[Path]) -> None:
             with contextlib.suppress(FileExistsError):
                 folder.mkdir()
                 made.append(folder)
+
+
+def open_to_append(path: str | os.PathLike, *, readable: bool = False, flags: int = 0) -> int:
+    """A descriptor of ``path`` open to append (``O_APPEND | O_CREAT``, write-only, or read-write when
+    ``readable``; ``flags`` added: ``O_NONBLOCK``), the file made when missing, reached as
+    :func:`replace_atomically` reaches the file it writes: walked by descriptors (:func:`_walked`),
+    each link met on the way, the file's own included, judged (one of another user's that leads to
+    what is not theirs is :class:`NotReplaced`, one line, nothing opened), and the file itself opened
+    with ``O_NOFOLLOW`` in the folder the walk ends in (a link put at its name after the walk is not
+    gone through). What every log appended to uses (a sink's CSV and JSON lines, ``events.jsonl``,
+    validate's history; review 55d: a teammate's ``events.jsonl`` linked to root's file had a root
+    resume append to that file).
+
+    Example::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> fd = open_to_append(folder / "log.jsonl")
+        >>> os.write(fd, b"{}\\n"), os.close(fd), (folder / "log.jsonl").read_bytes()
+        (3, None, b'{}\\n')
+        >>> shutil.rmtree(folder)
+    """
+    access = os.O_RDWR if readable else os.O_WRONLY
+    dfd, target = _walked(Path(path), True, path)
+    try:
+        return os.open(target.name, access | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC | flags, 0o666,
+                       dir_fd=dfd)
+    except OSError as err:
+        err.filename = os.fspath(path)
+        raise
+    finally:
+        os.close(dfd)

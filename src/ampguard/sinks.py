@@ -30,7 +30,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 from .errors import (AmpguardWarning, InputError, brief, counted, failed_because, first_line, has_control, plain_digits,
                      shortened, shown, whole_number)
-from .files import DiskFull, disk_full_error, is_temporary, replace_atomically, writing
+from .files import DiskFull, disk_full_error, is_temporary, open_to_append, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
 
 CSV_COLUMNS: tuple[str, ...] = (
@@ -105,13 +105,17 @@ def _open_for_append(path: Path) -> IO[bytes]:
     refused: appending through it would create its target, wherever that is. A named pipe no
     process reads is refused too: it is opened without waiting (``O_NONBLOCK``, which the file
     then drops), where a plain open waited for a reader for ever (a fit that never began); one a
-    reader holds open is written as a file is."""
+    reader holds open is written as a file is. The path is reached as a file replaced whole is
+    (:func:`~ampguard.files.open_to_append`): a link of another user's on the way, or at the file,
+    that leads to what is not theirs is refused in one line, and the file is opened where the walk
+    ends, never through a link put at its name after (review 55d: a teammate's ``events.jsonl``
+    linked to root's file had a root resume append to that file)."""
     try:
         if path.is_symlink() and not path.exists():
             raise InputError(f"{shown(path)} is a symbolic link to nothing ({shown(os.readlink(path))}); refusing to "
                              f"write through it")
         path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(path, "ab", buffering=0, opener=opened_without_waiting)
+        file = open(open_to_append(path, flags=_NO_WAIT), "ab", buffering=0)
     except OSError as err:
         if err.errno == errno.ENXIO and _a_named_pipe(path):
             raise InputError(f"cannot write {shown(path)}: it is a named pipe that no process reads; refusing to "
@@ -130,7 +134,8 @@ _NO_WAIT = getattr(os, "O_NONBLOCK", 0)
 
 
 def opened_without_waiting(path: str, flags: int) -> int:
-    """``open``'s opener for :func:`_open_for_append`: the flags it asks for, and ``O_NONBLOCK``."""
+    """``open``'s opener: the flags it asks for, and ``O_NONBLOCK`` (how :func:`_open_for_append`
+    opens, for a look that writes nothing: Lightning's plugin)."""
     return os.open(path, flags | _NO_WAIT, 0o666)
 
 
@@ -832,12 +837,16 @@ class _LineFile:
         if not tail or tail.endswith(b"\n"):
             return
         keep = at + tail.rfind(b"\n") + 1
-        if keep == 0 and self._header:  # the header alone, its newline never written (checked whole): finish it
-            with writing(self.path), self.path.open("ab") as f:
+        try:  # (written as the rows are: through the checked walk, never another user's link, _open_for_append)
+            fd = open_to_append(self.path)
+        except OSError as err:
+            raise InputError(f"cannot write {shown(self.path)}: {failed_because(err)}") from None
+        with writing(self.path), open(fd, "ab", buffering=0) as f:
+            if keep == 0 and self._header:  # the header alone, its newline never written (checked whole): finish it
                 f.write(b"\n")
-            return
-        with writing(self.path):
-            os.truncate(self.path, keep)
+                return
+            if os.fstat(fd).st_size > keep:  # (only ever shorter: a file made anew meanwhile is not padded)
+                os.ftruncate(fd, keep)
         warnings.warn(f"{self.path}: its last line was torn ({counted(end - keep, 'byte')} without a newline: a "
                       "kill mid-write?): cut off before appending", AmpguardWarning, stacklevel=2)
 

@@ -721,6 +721,9 @@ class Trainer:
                                      keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
+        # opened with the sinks, before the folder changes for good (config.yaml, the card): one it refuses (another
+        # user's link, review 55d) leaves the folder as it was, as a refused CSV does
+        self.events = EventLog(self.paths.events, say, append=resuming)
         if self.announce is not None and self.paths.dir is not None and main:
             # the run folder's line once nothing can refuse the run any more (a sink that did not
             # open): a refusal is then the console's only output besides "removed (nothing was run)",
@@ -742,7 +745,6 @@ class Trainer:
                 # (a resume killed before its end left "finished: 30 steps" beside rows to step 59,
                 # which report and compare then printed as the run's end); its end writes a new one
                 self.paths.card.unlink(missing_ok=True)
-        self.events = EventLog(self.paths.events, say, append=resuming)
         self.rollbacks.events = self.events
         self.rollbacks.folder = self.paths.dir
         if self.diagnosis is not None:
