@@ -45,8 +45,9 @@ from torch import nn
 
 from .build import prepare_model, resolve_device, to_device
 from .config import Config, flat_keys
-from .errors import AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, table_cell, user_code
-from .files import CAN_PROBE_PROCESSES, DiskFull, make_parents, replace_atomically
+from .errors import (AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, table_cell, user_code,
+                     visible)
+from .files import CAN_PROBE_PROCESSES, DiskFull, make_parents, open_to_append, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
 from .tasks import Task, seed_everything, untrained_model
@@ -1979,7 +1980,10 @@ def _effective(rules: Mapping[str, Any], k: str) -> Any:
 
 
 def rejections_text(earlier: list[dict[str, Any]]) -> str:
-    """The report's and the console's words for :func:`earlier_rejections`.
+    """The report's and the console's words for :func:`earlier_rejections`, one line: what the
+    history holds (its times, folders, verdicts, rules: a file others may write, in a shared
+    ``log.dir``) with each control character written as its escape (:func:`~ampguard.errors.visible`:
+    review 55d, an escape sequence in it cleared the screen or wrote a line of its own).
 
     Example::
 
@@ -1989,17 +1993,21 @@ def rejections_text(earlier: list[dict[str, Any]]) -> str:
     """
     said = "; ".join(f"{e['verdict']} at {e['time']} ({e['report']}); since then {', '.join(e['changed'])}"
                      for e in earlier)
-    return f"Earlier verdicts on these weights under other rules or probes: {said}"
+    return visible(f"Earlier verdicts on these weights under other rules or probes: {said}")
 
 
 def note_verdict(history: Path, key: Mapping[str, Any], v: Validation, report: Path) -> str | None:
     """Append this report's line to ``history``; a line saying why it could not (the report
-    stands without it), else None."""
+    stands without it), else None. The history is reached as the run's logs are
+    (:func:`~ampguard.files.open_to_append`): one in a folder others share (``log.dir``) that is a
+    link of another user's to what is not theirs is not written through (review 55d): the line is
+    left out, and the reason returned."""
     entry = {"time": time.strftime("%Y-%m-%d %H:%M:%S %z"), "report": str(report.resolve()), **key,
              "accepted": v.ok, "verdict": v.verdict}
     try:
-        with history.open("ab") as f:  # (one write; after a torn last line, on a line of its own)
-            torn = f.tell() > 0 and history.read_bytes()[-1:] != b"\n"
+        with open(open_to_append(history, readable=True), "r+b", buffering=0) as f:
+            size = f.seek(0, os.SEEK_END)  # (a torn last line: this one on a line of its own)
+            torn = size > 0 and f.seek(size - 1) == size - 1 and f.read(1) != b"\n"
             f.write((b"\n" if torn else b"") + json.dumps(strict_json(entry)).encode() + b"\n")
     except OSError as err:
         return f"validate: could not note the verdict in {history} ({failed_because(err)})"
@@ -2079,7 +2087,7 @@ def run(config: Config, *, checkpoint: str | None = None, out: str | Path | None
         print(f"ampguard: warning: {unnoted}", file=sys.stderr)
     if result.earlier:  # (a rule loosened after a rejection: said beside the verdict, not only in the report)
         print(f"validate: note: {rejections_text(result.earlier)}")
-    print(f"validate: {result.verdict}; report {md}, {js}")
+    print(visible(f"validate: {result.verdict}; report {md}, {js}"))  # (--out as given: a control character escaped)
     return ExitCode.OK if result.ok else ExitCode.REJECTED
 
 
