@@ -9,6 +9,7 @@ pickled code is refused before any of it runs.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -26,12 +27,12 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from .errors import InputError, brief, counted, first_line, shown
-from .files import remove_temporaries
+from .files import _make_temporary, _sync, _walked, remove_temporaries
 
 MAGIC = "ampguard-checkpoint"
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")  # (8 digits, more from step 10**8 on)
-_PARTIAL = re.compile(r"^\.step-\d{8,}\.pt\.tmp-(\d+)$")
+_PARTIAL = re.compile(r"^\.step-\d{8,}\.pt\.tmp-(\d+)(?:-[0-9a-f]+)?$")  # (.NAME.tmp-PID-RANDOM; older: .tmp-PID)
 REQUIRED = ("magic", "format", "step", "config", "model", "optimizer", "state", "scheduler", "rng", "data_position")
 
 
@@ -177,28 +178,28 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # the folder reached as a file replaced whole reaches its own (each link on the way judged), the temporary
+    # file made at a name no one can guess, new, never through what lies there (review 55d: a predictable
+    # .NAME.tmp-PID opened following links had a root resume write a checkpoint over a file a link led to)
+    dfd, target = _walked(path, False, path)
     try:
-        with tmp.open("wb") as f:
-            torch.save({"magic": MAGIC, "format": FORMAT, **payload}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp, fd = _make_temporary(dfd, target.name, 0o666, os.fspath(target.parent))
+        renamed = False
+        try:
+            with open(fd, "wb") as f:
+                torch.save({"magic": MAGIC, "format": FORMAT, **payload}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            renamed = True
+        finally:
+            if not renamed:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+        _sync(dfd)
     finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+        os.close(dfd)
     return path
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def safe_load(path: str | os.PathLike, what: str = "checkpoint", map_location: str | torch.device = "cpu") -> Any:
@@ -674,7 +675,8 @@ def set_aside_after(folder: str | os.PathLike, step: int) -> list[Path]:
 
 
 def remove_partial(folder: str | os.PathLike, keep_pid: int | None = None) -> list[Path]:
-    """Delete the partial saves (``.step-<N>.pt.tmp-<PID>``) that runs killed during a save left
+    """Delete the partial saves (``.step-<N>.pt.tmp-<PID>-<RANDOM>``, an older ampguard's
+    ``.step-<N>.pt.tmp-<PID>``) that runs killed during a save left
     in ``folder``, except those of process ``keep_pid`` (a save of its own in progress); return
     what was deleted. Such a file was never renamed to a checkpoint's name, so nothing loads it;
     it only takes space. A run calls this with no ``keep_pid`` when it starts, and with its own
@@ -684,10 +686,11 @@ def remove_partial(folder: str | os.PathLike, keep_pid: int | None = None) -> li
 
         >>> import shutil, tempfile
         >>> folder = Path(tempfile.mkdtemp())
-        >>> for name in (".step-00000005.pt.tmp-4242", f".step-00000006.pt.tmp-{os.getpid()}", "step-00000004.pt"):
+        >>> for name in (".step-00000005.pt.tmp-4242", ".step-00000007.pt.tmp-4242-0123456789abcdef",
+        ...              f".step-00000006.pt.tmp-{os.getpid()}-00ff", "step-00000004.pt"):
         ...     _ = (folder / name).write_bytes(b"")
         >>> [p.name for p in remove_partial(folder, keep_pid=os.getpid())]
-        ['.step-00000005.pt.tmp-4242']
+        ['.step-00000005.pt.tmp-4242', '.step-00000007.pt.tmp-4242-0123456789abcdef']
         >>> len(remove_partial(folder)), sorted(p.name for p in folder.iterdir())
         (1, ['step-00000004.pt'])
         >>> remove_partial(folder / "missing")

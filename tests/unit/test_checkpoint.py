@@ -47,10 +47,11 @@ def test_save_writes_a_temp_file_in_the_same_folder_fsyncs_it_then_replaces(tmp_
         calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else fd))
         real_fsync(fd)
 
-    def replace(src, dst):
-        calls.append(("replace", Path(src), Path(dst)))
-        assert Path(src).stat().st_size > 0
-        real_replace(src, dst)
+    def replace(src, dst, *, src_dir_fd=None, dst_dir_fd=None):  # (in the folder the walk holds: names relative to it)
+        where = Path(os.readlink(f"/proc/self/fd/{src_dir_fd}")) if src_dir_fd is not None else Path()
+        calls.append(("replace", where / src, where / dst))
+        assert (where / src).stat().st_size > 0
+        real_replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
@@ -60,7 +61,7 @@ def test_save_writes_a_temp_file_in_the_same_folder_fsyncs_it_then_replaces(tmp_
     replaces = [c for c in calls if c[0] == "replace"]
     assert len(replaces) == 1
     _, src, dst = replaces[0]
-    assert dst == target and src.parent == target.parent
+    assert dst == target.resolve() and src.parent == target.resolve().parent
     assert src.name.startswith(".step-00000003.pt.tmp-")
     before = calls[: calls.index(replaces[0])]
     assert ("fsync", str(src)) in before  # the data is on disk before the name points at it
