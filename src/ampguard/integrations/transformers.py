@@ -790,8 +790,11 @@ class AmpGuardCallback(TrainerCallback):
                 }
                 if self.autocast_dtypes:
                     summary["float32_under_autocast"] = float32_layers_text(self.autocast_dtypes)
-                (self.out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-                (self.out_dir / CARD_NAME).write_text(run_card(summary), encoding="utf-8")
+                # (each replaced whole, never written through a link at its name, as train writes its own: review
+                # 55d, a link another user put in a shared out_dir had both written to root's file, or half a card
+                # left by a kill)
+                replace_atomically(self.out_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+                replace_atomically(self.out_dir / CARD_NAME, run_card(summary))
         finally:  # (a file that fails, a full disk, does not leave the sinks' runs open)
             self._end_sinks(self.exit_code, self.ended, self.out_dir if wrote else None)
 
