@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .build import build_monitor
 from .clipping import clip_threshold
-from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number,
+from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number, visible,
                      whole_number)
 from .files import left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
 from .fp8 import in_float8
@@ -454,6 +454,13 @@ def headroom_alerts_text(run_dir: Path | LoggedEvents | None, alert_bits: float 
     return f"{len(alerts)} ({shown_}{'; ...' if len(alerts) > HEADROOM_ALERTS_SHOWN else ''})"
 
 
+MAX_EVENT_LINE = 16 << 20
+"""The longest line of ``events.jsonl`` that :class:`LoggedEvents` reads (16 MiB, bytes; a run's
+event is well under a kilobyte, a diagnosis' a few): a longer one is no event of a run's, passed
+over as an unreadable line without being held whole (review 55d: a 1 GiB line crashed ``report``
+and ``compare`` with a ``MemoryError`` traceback under a memory limit)."""
+
+
 class LoggedEvents:
     """A run folder's ``events.jsonl``, read once (at the first question) and asked many times:
     ``report`` and ``compare`` derive a replay's inputs from it (policy changes, rollbacks, segment
@@ -508,22 +515,35 @@ class LoggedEvents:
         path = self.dir / "events.jsonl"
         if not path.exists():
             return []
+        events: list[dict[str, Any]] = []
+        number = 0
         try:
             _regular(path)
-            text = path.read_text(encoding="utf-8", errors="replace")
+            with path.open("rb") as file:
+                # line by line, each at most MAX_EVENT_LINE bytes read (review 55d: a 1 GiB line, read whole, was a
+                # MemoryError traceback under a memory limit); a longer one is passed over to its newline, unreadable
+                while raw := file.readline(MAX_EVENT_LINE + 1):
+                    if len(raw) > MAX_EVENT_LINE and not raw.endswith(b"\n"):
+                        while raw and not raw.endswith(b"\n"):
+                            raw = file.readline(MAX_EVENT_LINE)
+                        number += 1
+                        if raw:  # (one that the file ends in, with no newline, is a torn last line: not said)
+                            self._unreadable.append(number)
+                        continue
+                    text = raw.decode("utf-8", errors="replace")
+                    lines = text.splitlines()  # (a lone CR or another line break splits it too, as a whole read did)
+                    for at, line in enumerate(lines, start=1):
+                        number += 1
+                        try:
+                            event = json.loads(line)
+                        except (ValueError, RecursionError):  # (a line nested past the parser's depth: not the run's)
+                            event = None
+                        if isinstance(event, dict) and isinstance(event.get("step"), int):
+                            events.append(event)
+                        elif line.strip() and not (at == len(lines) and not text.endswith(("\n", "\r"))):
+                            self._unreadable.append(number)  # (review 52c: damage inside, said; a torn last not)
         except OSError as err:
             raise InputError(f"{path}: cannot read the run's events ({failed_because(err)})") from None
-        lines = text.splitlines()
-        events = []
-        for number, line in enumerate(lines, start=1):
-            try:
-                event = json.loads(line)
-            except (ValueError, RecursionError):  # (a line nested past the parser's depth: not the run's)
-                event = None
-            if isinstance(event, dict) and isinstance(event.get("step"), int):
-                events.append(event)
-            elif line.strip() and not (number == len(lines) and not text.endswith(("\n", "\r"))):
-                self._unreadable.append(number)  # (review 52c: a damaged line inside the file, said; a torn last not)
         return events
 
     def kept(self, wanted: Callable[[dict[str, Any]], bool], *, at_resume: bool = False) -> list[dict[str, Any]]:
@@ -911,14 +931,17 @@ def _checkpoint_step(rollback: dict[str, Any]) -> int | None:
 
 def shown(text: str) -> str:
     """``text`` as it can be drawn and printed: the bytes of a file name that are not UTF-8 (which
-    Python keeps as surrogate escapes, and matplotlib cannot draw) read as U+FFFD.
+    Python keeps as surrogate escapes, and matplotlib cannot draw) read as U+FFFD, and each
+    control character written as its escape (:func:`~ampguard.errors.visible`; review 55d: a run
+    folder named with an escape sequence put it raw in the plot's title, which matplotlib warned
+    of, quoting it, on the terminal).
 
     Example::
 
-        >>> shown("run a\\udcffb"), shown("run ä")
-        ('run a\ufffdb', 'run ä')
+        >>> shown("run a\\udcffb"), shown("run ä"), shown("run \\x1b[31mred")
+        ('run a\ufffdb', 'run ä', 'run \\\\x1b[31mred')
     """
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return visible(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
 
 
 def import_pyplot() -> None:
@@ -1899,18 +1922,18 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     log = LoggedEvents(csv_path.parent)  # (read once, at its first question: one history for every figure)
     writer = folder.writer_named()
     if writer is not None:  # (a live run, looked at: fine, said)
-        print(f"note: {csv_path.parent} is being written by another process ({writer}): the figures are as of "
+        _said(f"note: {csv_path.parent} is being written by another process ({writer}): the figures are as of "
               "its last row; the run has not ended")
     elif config_path.is_file() and folder.card.exists() and not folder.card.is_file():  # (a folder, a pipe: no card)
-        print(f"note: {folder.card} is not a file (a folder?): no run card read; how the run ended is not known here")
+        _said(f"note: {folder.card} is not a file (a folder?): no run card read; how the run ended is not known here")
     elif config_path.is_file() and not folder.card.is_file():  # (a run's card is written at its end, however it ended)
         ends = log.kept(lambda event: event.get("event") == "run_end")
         saved = folder.checkpoints is not None and any(folder.checkpoints.glob("step-*.pt"))
         if ends:  # (it ended, and its card could not be written: a full disk stops every write)
-            print(f"note: {csv_path.parent} has no run card RUN.md: the run ended ({ends[-1].get('message', '?')}), "
+            _said(f"note: {csv_path.parent} has no run card RUN.md: the run ended ({ends[-1].get('message', '?')}), "
                   "its card not written")
         else:
-            print(f"note: {csv_path.parent} has no run card RUN.md and no process is writing it: the run did not end "
+            _said(f"note: {csv_path.parent} has no run card RUN.md and no process is writing it: the run did not end "
                   "(killed, its machine went down, or its disk filled up)" + (
                       "; `ampguard train --resume` goes on from its last checkpoint" if saved else ""))
     # a threshold given holds for the whole run (the run's policy changes of it set aside); max_norm
@@ -1996,20 +2019,20 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, min_steps=mon.min_steps, title=title,
                  headroom=headroom_beside(csv_path),
                  alert_bits=mon.headroom.alert_bits, init_scale=init_scale if scaler_on else 1.0,
-                 scale_floor=config.scaler.min_scale, note=lambda line: print(f"note: {line}"),
+                 scale_floor=config.scaler.min_scale, note=lambda line: _said(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=log if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
     run_dir = log if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
     for note in [n for n in (defaults, unjudged) if n is not None] + reading_notes(
             csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy, unseen, held, ended):
-        print(f"note: {note}")
+        _said(f"note: {note}")
     if unseen:
         aside = len(rows) - len(judged_rows)
         first = judged_rows[0].step if judged_rows else None
         # (rows that begin later than the monitor did: a resume with the state into a new folder wrote the
         # steps between elsewhere, and the card's counts hold them)
         elsewhere = first is not None and first > unseen + 1
-        print(f"note: {csv_path.parent / 'summary.json'} says steps 1 to {unseen} were not observed (resumed from a "
+        _said(f"note: {csv_path.parent / 'summary.json'} says steps 1 to {unseen} were not observed (resumed from a "
               f"checkpoint without ampguard's state): the figures cover "
               + (f"the CSV's steps {first} to {monitor.steps}" if judged_rows else "no step")
               + (f"; the run's card counts steps {unseen + 1} to {first - 1} too, written elsewhere" if elsewhere
@@ -2020,25 +2043,34 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                 for flag, value in (("alert-rate", alert_rate), ("window", window), ("min-steps", min_steps))
                 if value is not None]
     episodes = f"{monitor.alert_episodes}" + (f" (re-judged at {', '.join(rejudged)})" if rejudged else "")
-    print(f"summary: {monitor.summary()}")
-    print(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
+    _said(f"summary: {monitor.summary()}")
+    _said(f"max rolling skip rate {monitor.max_skip_rate_text} (window {mon.window}), "
           f"alert episodes {episodes}, clip rate "
           f"{run_clip_rate(judged_rows, monitor if config_path.is_file() else None) if judged_rows else 'n/a (no step observed)'}, "
           f"scale {monitor.scale_verdict}")
     if held := {**monitor.eval_last, **monitor.eval_best}:  # (as the run card says them)
-        print("held-out " + "; ".join(f"{name} final {_fmt(monitor.eval_last.get(name))}, best "
+        _said("held-out " + "; ".join(f"{name} final {_fmt(monitor.eval_last.get(name))}, best "
                                       f"{_fmt(monitor.eval_best.get(name))}" for name in held))
     if config_path.is_file() and headroom_watched(config, csv_path):
-        print(f"headroom alerts {headroom_alerts_text(log, config.monitor.headroom.alert_bits)}")
+        _said(f"headroom alerts {headroom_alerts_text(log, config.monitor.headroom.alert_bits)}")
     if folder.card.is_file():  # why it ended, as train said it (a guard's stop read like a finished run)
         with contextlib.suppress(OSError):
             ended = trainer_card_ended(folder.card, errors="replace")  # (a Trainer's card: its `ended` row)
             if ended == "unknown":  # (compare refuses such a card: here a note, the figures are the CSV's)
-                print(f"note: {folder.card} is no run card ampguard wrote (no line saying how the run ended): "
+                _said(f"note: {folder.card} is no run card ampguard wrote (no line saying how the run ended): "
                       "its end is not known here")
-            print(f"ended: {ended}")
-    print(f"plot: {png}" if plot else "plot: not drawn (--no-plot)")
+            _said(f"ended: {ended}")
+    _said(f"plot: {png}" if plot else "plot: not drawn (--no-plot)")
     return ExitCode.OK
+
+
+def _said(line: str) -> None:
+    """Print one line of ``report``'s, each control character in it written as its escape
+    (:func:`~ampguard.errors.visible`, as ``compare`` shows the same text): much of it is the run
+    folder's (a metric's name from the CSV header, the card's ``ended`` line, the ``run_end``
+    message, the folder's own name), which a downloaded or a teammate's folder may fill with
+    escape sequences that clear the screen or rewrite the line (review 55d)."""
+    print(visible(line))
 
 
 def _is_png(path: Path) -> bool:
