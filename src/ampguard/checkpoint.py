@@ -27,7 +27,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from .errors import InputError, brief, counted, first_line, shown
-from .files import _make_temporary, _sync, _walked, remove_temporaries
+from .files import _at, _let_go, _make_temporary, _reached, _sync, remove_temporaries
 
 MAGIC = "ampguard-checkpoint"
 FORMAT = 1
@@ -181,24 +181,25 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     # the folder reached as a file replaced whole reaches its own (each link on the way judged), the temporary
     # file made at a name no one can guess, new, never through what lies there (review 55d: a predictable
     # .NAME.tmp-PID opened following links had a root resume write a checkpoint over a file a link led to)
-    dfd, target = _walked(path, False, path)
+    folder, target = _reached(path, False, path)  # (the plain path where the OS cannot walk: Windows)
     try:
-        tmp, fd = _make_temporary(dfd, target.name, 0o666, os.fspath(target.parent))
-        renamed = False
+        tmp, fd = _make_temporary(folder, target.name, 0o666, os.fspath(target.parent))
+        (at, at_fd), renamed = _at(folder, tmp), False
         try:
             with open(fd, "wb") as f:
                 torch.save({"magic": MAGIC, "format": FORMAT, **payload}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.replace(at, _at(folder, target.name)[0], src_dir_fd=at_fd, dst_dir_fd=at_fd)
             renamed = True
         finally:
             if not renamed:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dfd)
-        _sync(dfd)
+                    os.unlink(at, dir_fd=at_fd)
+        if isinstance(folder, int):  # (a folder the plain path cannot open cannot be synced)
+            _sync(folder)
     finally:
-        os.close(dfd)
+        _let_go(folder)
     return path
 
 

@@ -625,17 +625,32 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str | Callable[[IO
         data = data.encode("utf-8", errors="surrogateescape")
     given = Path(path)
     followed = through_link and given.is_symlink() and given.exists()
-    if not BY_DESCRIPTORS:  # (Windows: no dir_fd, no folder to open; the plain path, every step by name)
-        target = Path(os.path.realpath(given)) if followed else given
-        if not target.name or (os.path.isdir(target) and not os.path.islink(target)):
-            raise NotReplaced(errno.EISDIR, "it names a folder, not a file; nothing was written", os.fspath(path))
-        _replace_in(os.fspath(target.parent), target, data, path, followed)
-        return
-    dfd, target = _walked(given, followed, path)  # (by descriptors: each part looked at in the folder held)
+    folder, target = _reached(given, followed, path)
     try:
-        _replace_in(dfd, target, data, path, followed)
+        _replace_in(folder, target, data, path, followed)
     finally:
-        os.close(dfd)
+        _let_go(folder)
+
+
+def _reached(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[int | str, Path]:
+    """The folder the file ``given`` lies in and the file's path, as every write of a run's file
+    reaches them (:func:`replace_atomically`, :func:`open_to_append`, a checkpoint's save): walked
+    by descriptors (:func:`_walked`: the folder a descriptor, each link on the way judged), or,
+    where the OS cannot (:data:`BY_DESCRIPTORS`: Windows), the plain path: the folder's path, the
+    last part followed by name when ``follow_last`` and a link, a folder at it refused
+    (:class:`NotReplaced`, ``EISDIR``). :func:`_let_go` after."""
+    if BY_DESCRIPTORS:
+        return _walked(given, follow_last, path)
+    target = Path(os.path.realpath(given)) if follow_last and given.is_symlink() else given
+    if not target.name or (os.path.isdir(target) and not os.path.islink(target)):
+        raise NotReplaced(errno.EISDIR, "it names a folder, not a file; nothing was written", os.fspath(path))
+    return os.fspath(target.parent), target
+
+
+def _let_go(folder: int | str) -> None:
+    """Close the folder :func:`_reached` held open (nothing on the plain path)."""
+    if isinstance(folder, int):
+        os.close(folder)
 
 
 def _what(mode: int) -> str:
@@ -815,12 +830,13 @@ def open_to_append(path: str | os.PathLike, *, readable: bool = False, flags: in
         >>> shutil.rmtree(folder)
     """
     access = os.O_RDWR if readable else os.O_WRONLY
-    dfd, target = _walked(Path(path), True, path)
+    folder, target = _reached(Path(path), True, path)
     try:
-        return os.open(target.name, access | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC | flags, 0o666,
-                       dir_fd=dfd)
+        at, at_fd = _at(folder, target.name)
+        return os.open(at, access | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC | _O_BINARY | flags, 0o666,
+                       dir_fd=at_fd)
     except OSError as err:
         err.filename = os.fspath(path)
         raise
     finally:
-        os.close(dfd)
+        _let_go(folder)
