@@ -1073,7 +1073,7 @@ class CsvSink(_LineFile):
 
     @staticmethod
     def cut_after(path: Path, width: int, step: int, purpose: str = RESUME,
-                  read_back: Callable[[Path, bytes, str], None] | None = None) -> None:
+                  read_back: Callable[[Path, Iterable[str], str], None] | None = None) -> None:
         """The rows of the CSV at ``path`` (``width`` cells each) after ``step`` dropped, as
         :meth:`_truncate_after` drops them, each kept one checked by ``read_back`` if given
         (:meth:`kept_rows`): for a log a resume cuts back but does not append to (``headroom.csv``
@@ -1081,11 +1081,11 @@ class CsvSink(_LineFile):
         timeline). A CSV that is a link stays one, its target cut."""
         with path.open("rb") as f:
             prefix = _kept_lines(path, f, width, step, None, purpose, read_back, None)
-            if prefix is not None:  # (the kept lines are the file's first bytes, as is usual: copied from it, not held)
-                _cut(path, functools.partial(_copy_head, f, prefix), step, purpose)
-                return
-            f.seek(0)  # (a blank line among them, a header made whole: read again, the lines kept joined)
-            kept = bytearray()
+        if prefix is not None:  # (the kept lines are the file's first bytes, as is usual: copied from it, not held)
+            _cut(path, functools.partial(_copy_head, path, prefix), step, purpose)
+            return
+        kept = bytearray()  # (a blank line among them, a header made whole: read again, the lines kept joined)
+        with path.open("rb") as f:
             _kept_lines(path, f, width, step, None, purpose, read_back, kept.extend)
         _cut(path, bytes(kept), step, purpose)
 
@@ -1303,16 +1303,18 @@ def _kept_lines(path: Path, f: IO[bytes], width: int, step: int, first: int | No
     return found["end"] if found["prefix"] else None
 
 
-def _copy_head(source: IO[bytes], size: int, target: IO[bytes]) -> None:
-    """The first ``size`` bytes of ``source`` written to ``target``, a MiB at a time (a cut's
-    kept lines, :meth:`CsvSink.cut_after`: never held whole)."""
-    source.seek(0)
-    while size > 0:
-        chunk = source.read(min(size, 1 << 20))
-        if not chunk:  # (the file shortened meanwhile: what there is)
-            break
-        target.write(chunk)
-        size -= len(chunk)
+def _copy_head(path: Path, size: int, target: IO[bytes]) -> None:
+    """The first ``size`` bytes of the file at ``path`` written to ``target``, a MiB at a time (a
+    cut's kept lines, :meth:`CsvSink.cut_after`: never held whole). The file is open only while
+    it is copied, closed before the cut renames the copy over it (Windows refuses to rename over
+    a file held open: review 55o)."""
+    with path.open("rb") as source:
+        while size > 0:
+            chunk = source.read(min(size, 1 << 20))
+            if not chunk:  # (the file shortened meanwhile: what there is)
+                break
+            target.write(chunk)
+            size -= len(chunk)
 
 
 def _last_step(path: Path, tail: int = 1 << 16, records: bool = False) -> int | None:
