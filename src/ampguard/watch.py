@@ -427,7 +427,7 @@ def _parameter_slots(root: nn.Module) -> int:
 
 
 _KEEPING: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
-"""Each normalization layer's :class:`RunningStats` keepers (a layer forgets them with its guard)."""
+"""Each watched layer's :class:`RunningStats` keepers (a layer forgets them with its guard)."""
 _HOOKED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 """Each layer's hook handle and how many keepers watch it (the hook goes with the last)."""
 _HOOKS_LOCK = threading.RLock()  # (a finalizer may run in any thread, and inside the lock: re-entrant)
@@ -435,7 +435,8 @@ _HOOKS_LOCK = threading.RLock()  # (a finalizer may run in any thread, and insid
 
 @outlives_passes  # (a pass's forward may register it on a layer added since the last look: it stays)
 def _keep_running_stats(module: nn.Module, args: Any) -> None:
-    """A forward pre-hook on each layer that tracks running statistics: before the layer runs in
+    """A forward pre-hook on each layer that tracks running statistics (or observes: a QAT
+    model's observers and fake-quantizers, :func:`_tracking_layers`): before the layer runs in
     training mode (it then writes them, under ``torch.no_grad()`` too), each keeper watching it
     copies the statistics, once a step. A module-level function (a model with it pickles, and
     loads where ampguard is installed). Nothing while ``torch.compile`` traces it, checked before
@@ -507,10 +508,34 @@ def _release(layers: list[weakref.ReferenceType[nn.Module]]) -> None:
                 del _HOOKED[layer]
 
 
+def _quantizer_types() -> tuple[type, ...]:
+    """torch.ao's observers and fake-quantizers (quantization-aware training: ``prepare_qat``), the
+    classes of those of its modules loaded (looked up in ``sys.modules``, never imported: a model
+    with one has them loaded); none where neither is."""
+    found = (getattr(sys.modules.get("torch.ao.quantization.observer"), "ObserverBase", None),
+             getattr(sys.modules.get("torch.ao.quantization.fake_quantize"), "FakeQuantizeBase", None))
+    return tuple(t for t in found if t is not None)
+
+
 def _tracking_layers(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """The layers of ``modules`` that write running statistics in a training forward, once each."""
+    """The layers of ``modules`` that write statistics in a training forward, once each: the
+    normalization layers that track running statistics, and torch.ao's observers and
+    fake-quantizers that have buffers (:func:`_written`)."""
+    quantizers = _quantizer_types()
     return list(dict.fromkeys(m for root in modules for m in root.modules()
-                              if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats))
+                              if (isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats)
+                              or (isinstance(m, quantizers) and m._buffers)))
+
+
+def _written(layer: nn.Module) -> Iterable[torch.Tensor | None]:
+    """The buffers of a watched layer that its forward writes: a normalization layer's running
+    statistics and count; an observer's or fake-quantizer's own buffers, all of them (``min_val``,
+    ``max_val``, a histogram, ``scale``, ``zero_point``, a handful of numbers a layer, or a
+    channel's; the fused ``FusedMovingAvgObsFakeQuantize`` writes its observer's and its own
+    without calling the observer, so both are watched)."""
+    if isinstance(layer, nn.modules.batchnorm._NormBase):
+        return (layer.running_mean, layer.running_var, layer.num_batches_tracked)
+    return layer._buffers.values()
 
 
 class RunningStats:
@@ -520,8 +545,16 @@ class RunningStats:
     which ``Guard.autocast()`` calls, so a compiled model's are copied too), put back when the
     step is skipped (:meth:`end_step`). A skip leaves the parameters and the
     optimizer's state as they were; without this, the forward of a NaN batch it skipped had left a
-    BatchNorm's statistics NaN for good (every evaluation after it NaN). A model without such
-    layers gets no hook and pays nothing; other modules never run one.
+    BatchNorm's statistics NaN for good (every evaluation after it NaN). The same for a
+    quantization-aware model's observers and fake-quantizers (torch.ao's ``prepare_qat``), whose
+    buffers a training forward writes too: a NaN batch left their ``min_val`` / ``max_val`` and
+    ``scale`` NaN, and as their training forward reads them, every step after it skipped (review
+    55m); a buffer the forward resized in place (an empty per-channel ``min_val``'s first
+    observation) is resized back. Those layer types only, not every buffer of the model: a
+    buffer of another module is a cache or a constant (a rotary table, a causal mask: copied at
+    every step for nothing, some large) or state its module means to keep (a queue, an EMA, a
+    counter), which the put-back cannot tell from statistics. A model without such layers gets
+    no hook and pays nothing; other modules never run one.
 
     Example (a NaN batch through a BatchNorm, its step skipped: the statistics as they were)::
 
@@ -539,6 +572,7 @@ class RunningStats:
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self._modules = list(modules)
         self.layers: list[nn.Module] = []
+        self._quantizers = False  # whether a layer is an observer or fake-quantizer (whose buffers may be resized)
         self._saved: list[torch.Tensor] = []  # the copy
         self._kept: list[torch.Tensor] = []  # the buffers copied this step (empty: none yet)
         self._fresh: list[nn.Module] = []  # lazy layers with no statistics yet when copied: a skip starts them again
@@ -567,6 +601,7 @@ class RunningStats:
                 _KEEPING[layer].discard(self)
             _release([weakref.ref(layer) for layer in gone])
         self.layers = layers
+        self._quantizers = any(not isinstance(layer, nn.modules.batchnorm._NormBase) for layer in layers)
         self._refs[:] = [weakref.ref(layer) for layer in layers]
 
     @property
@@ -611,10 +646,9 @@ class RunningStats:
         self.watch_again(always=not self._copies % UNFROZEN_EVERY)
         if not self.layers:
             return
-        self._fresh = [layer for layer in self.layers if is_lazy(layer.running_mean)]
-        buffers = [b for layer in self.layers for b in (layer.running_mean, layer.running_var,
-                                                        layer.num_batches_tracked)
-                   if b is not None and not is_lazy(b)]
+        self._fresh = [layer for layer in self.layers
+                       if isinstance(layer, nn.modules.batchnorm._NormBase) and is_lazy(layer.running_mean)]
+        buffers = [b for layer in self.layers for b in _written(layer) if b is not None and not is_lazy(b)]
         with torch.no_grad():
             if len(self._saved) == len(buffers) and all(
                     s.shape == b.shape and s.dtype == b.dtype and s.device == b.device
@@ -634,7 +668,15 @@ class RunningStats:
         self._kept, self._fresh = [], []
         if skipped is False:
             return
+        # (a quantizer's forward may resize its buffers in place; a normalization layer's does not)
+        resized = [(b, s.shape) for s, b in zip(self._saved, kept) if b.shape != s.shape] if self._quantizers else []
+        if resized and isinstance(skipped, torch.Tensor):  # (no select between shapes: read, once a resize)
+            skipped = bool(skipped)
+            if not skipped:
+                return
         with torch.no_grad():
+            for b, shape in resized:  # (an observer's first observation: ``min_val`` from ``tensor([])``)
+                b.resize_(shape)
             if isinstance(skipped, torch.Tensor):
                 flag = skipped.bool()
                 torch._foreach_copy_(kept, [torch.where(flag, s, b) for s, b in zip(self._saved, kept)])
