@@ -97,6 +97,11 @@ def _named_optimizers(optimizer: Optimizers) -> dict[str, torch.optim.Optimizer]
                              "and has no ';' (the CSV's skipped_optimizers cell joins the names with it)")
         if not hasattr(opt, "param_groups"):
             raise ValueError(f"optimizer {name!r} is a {type(opt).__name__}, not an optimizer (no param_groups)")
+        if hasattr(opt, "optimizer") and hasattr(opt, "step_was_skipped"):  # (review 55l: torch's AttributeError)
+            raise ValueError(f"optimizer {name!r} is Accelerate's prepared {type(opt).__name__}: build the guard with "
+                             "ampguard.integrations.accelerate.make_guard(accelerator, model, optimizer, ...), which "
+                             "takes the torch optimizer inside it and the accelerator's device, accumulation and "
+                             "checkpoints")
         if _needs_closure(opt):  # (LBFGS: a TypeError from inside the first applied step, after it was counted)
             raise ValueError(f"optimizer {name!r} ({type(opt).__name__}) needs a closure in step(), which evaluates "
                              "the loss again itself: the guard steps it once on the gradients it checked, so "
@@ -231,12 +236,29 @@ def _note_update(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         driven._opt_called = True
 
 
+def _refuse_optimizer(scheduler: Any) -> None:
+    """Refuse an optimizer given as a scheduler (review 55l): the guard "steps the scheduler" after
+    each applied update, so it was ``optimizer.step()`` again on the same gradients, every update
+    applied twice, unsaid. An optimizer is a ``torch.optim.Optimizer`` (Accelerate's prepared
+    ``AcceleratedOptimizer`` is one) or has ``param_groups`` (a Lookahead-style wrapper); no LR
+    scheduler has them (Accelerate's ``AcceleratedScheduler`` neither)."""
+    if isinstance(scheduler, torch.optim.Optimizer) or hasattr(scheduler, "param_groups"):
+        raise ValueError(f"scheduler= was given an optimizer ({type(scheduler).__name__}), not an LR scheduler: the "
+                         "guard steps a scheduler after each applied update, so every update would be applied twice; "
+                         "pass the optimizer's LR scheduler (torch.optim.lr_scheduler.OneCycleLR(optimizer, ...)), "
+                         "or no scheduler=")
+
+
 def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
     """Which optimizer each scheduler drives: a dict by name, else by the scheduler's own
     ``.optimizer`` (any scheduler object, when there is one optimizer)."""
     out: dict[str, list[Any]] = {name: [] for name in optimizers}
     if scheduler is None:
         return out
+    given = scheduler.values() if isinstance(scheduler, Mapping) else (
+        scheduler if isinstance(scheduler, (list, tuple)) else [scheduler])
+    for sched in given:  # (first: one was taken as a scheduler of its own making, or as driving itself)
+        _refuse_optimizer(sched)
     if isinstance(scheduler, Mapping):  # (checked as the other forms are, below: it skipped every check)
         for name, sched in scheduler.items():
             if str(name) not in out:
@@ -492,12 +514,20 @@ def _partition(names: tuple[str, ...], read: _Read) -> tuple[tuple[str, ...], tu
     return skipped, tuple(n for n in names if n not in skipped)
 
 
-def _epoch_of(scheduler: Any) -> int | None:
+def _epoch_of(scheduler: Any, depth: int = 0) -> int | None:
     """A scheduler's ``last_epoch``, through a wrapper that has none (Accelerate's
-    ``AcceleratedScheduler`` holds the scheduler as ``.scheduler``); None when there is none."""
+    ``AcceleratedScheduler`` holds the scheduler as ``.scheduler``), or a chain that has none
+    (torch's ``ChainedScheduler`` steps each of its ``_schedulers`` once per ``step()``: its first
+    one's, which moves as the chain does; review 55l, a chain the loop stepped too went
+    unchecked); None when there is none."""
     epoch = getattr(scheduler, "last_epoch", None)
-    if epoch is None and (inner := getattr(scheduler, "scheduler", None)) is not None:
-        epoch = getattr(inner, "last_epoch", None)
+    if epoch is None and depth < 4:  # (a wrapper of a chain of a chain: bounded, a cycle is no scheduler)
+        inner = getattr(scheduler, "scheduler", None)
+        chain = getattr(scheduler, "_schedulers", None)
+        if inner is None and isinstance(chain, (list, tuple)) and chain:
+            inner = chain[0]
+        if inner is not None:
+            return _epoch_of(inner, depth + 1)
     return epoch if isinstance(epoch, int) else None
 
 
