@@ -494,7 +494,7 @@ class OptimizerConfig(_Section):
     momentum: Float = 0.9
     """SGD momentum in [0, 1)."""
     fused: Bool | None = None
-    """Use the fused AdamW kernel (None: PyTorch's default)."""
+    """Use the optimizer's fused kernel, AdamW's or SGD's (None: PyTorch's default; the fast path always does)."""
 
     @field_validator("betas")
     @classmethod
