@@ -690,8 +690,9 @@ class Guard:
             whoever reads its values.
         lr_schedule: with ``sync_free`` (refused without it, and beside a ``scheduler``),
             ``lr_schedule(applied_updates) -> factor`` on tensors, computed on the device (the count
-            an int64 tensor, exact; arithmetic with a Python float makes it float32, exact to
-            2**24 updates: ``updates.double()`` for a schedule longer than that); each
+            handed over as a float32 tensor, as it always was: exact to 2**24 = 16,777,216 updates,
+            past that a multiple of 2, then 4; the guard's own count is int64 and exact, and a
+            :class:`~ampguard.schedule.DeviceLambdaLR` given as ``scheduler`` gets it as it is); each
             group's lr is its ``initial_lr`` times the factor (set from its lr the first time, as
             torch's schedulers set it, and saved with the optimizer's state: a resume that loads
             the optimizer before building the guard keeps the base). It advances only on applied
@@ -1840,7 +1841,9 @@ class Guard:
         if self.scheduler is not None:  # a DeviceLambdaLR: its base LRs (a rollback or resume may change them)
             factor, bases = self.scheduler.device_factor(self._updates_t), self.scheduler.base_lrs
         elif self.lr_schedule is not None:
-            factor, bases = self.lr_schedule(self._updates_t), self._base_lrs
+            # a float32 copy (one cast kernel): what a user's schedule got before the count became int64
+            # (review 55n: u.new_tensor(0.1) or full_like(u, 0.1) on an int64 count truncated to 0)
+            factor, bases = self.lr_schedule(self._updates_t.float()), self._base_lrs
         else:  # a constant LR: a tensor on the step's device, where the record stacks it (once moved, stays)
             for group in self.optimizer.param_groups:
                 lr = group["lr"]

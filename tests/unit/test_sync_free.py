@@ -14,6 +14,7 @@ from torch import nn
 
 from ampguard import AmpTrainState, BackgroundSink, CsvSink
 from ampguard.records import PendingStep, SkipLog, StepLog
+from ampguard.schedule import DeviceLambdaLR
 
 STEPS = 20
 HORIZON = 20.0
@@ -261,7 +262,9 @@ def test_a_param_group_added_mid_run_gets_the_schedule():
 def test_the_count_of_applied_updates_is_exact_past_2_24_and_so_is_its_checkpoint():
     # review 55b: the count was a float32 tensor: 2**24 + 1 rounds to 2**24, so from 16,777,216
     # updates on the count (and the LR it drives) stood still, was saved as 16,777,216, and a
-    # larger count set or loaded was rounded (2**24 + 3 read back 2**24 + 4)
+    # larger count set or loaded was rounded (2**24 + 3 read back 2**24 + 4). A user's
+    # lr_schedule gets a float32 copy again (review 55n F3): the int64 count itself drives a
+    # DeviceLambdaLR's device function
     start = 2**24 - 2
 
     def make():
@@ -269,8 +272,9 @@ def test_the_count_of_applied_updates_is_exact_past_2_24_and_so_is_its_checkpoin
         model = nn.Linear(8, 2)
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.5), fused=True)
         # a factor that moves by 1/8 with each update from ``start`` (exact: the LRs compare equal)
-        return AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True,
-                             lr_schedule=lambda updates: (updates - start) * 0.125 + 0.5)
+        schedule = DeviceLambdaLR(opt, lambda updates: max(updates - start, 0) * 0.125 + 0.5,
+                                  lambda updates: (updates - start) * 0.125 + 0.5)
+        return AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True, scheduler=schedule)
 
     state = make()
     state.steps = state.updates = start  # (what a resume from a checkpoint of that count sets)
@@ -288,3 +292,26 @@ def test_the_count_of_applied_updates_is_exact_past_2_24_and_so_is_its_checkpoin
     assert resumed.step(x, y).values()["lr"] == 0.5 * (0.5 + 0.125 * 4)
     resumed.updates = 2**24 + 3
     assert resumed.updates == 2**24 + 3
+
+
+FLOOR, T = 0.1, 4
+
+
+@pytest.mark.parametrize("schedule", [
+    lambda u: torch.maximum(u.new_tensor(FLOOR), 1 - u / T),
+    lambda u: torch.maximum(torch.full_like(u, FLOOR), 1 - u / T),
+    lambda u: torch.minimum(torch.tensor(0.5, dtype=u.dtype, device=u.device), (u + 1) / 2),
+    lambda u: u.clone().add_(1).div_(2).clamp_(max=1.0),
+], ids=["new_tensor", "full_like", "dtype", "in_place"])
+def test_a_schedule_that_takes_its_constants_from_the_counts_dtype_gets_the_lrs_it_got_before(schedule):
+    # review 55n F3: with the count int64 (review 55b) u.new_tensor(0.1) and full_like(u, 0.1)
+    # were 0, a floor of 0.1 an LR of 0.0 (dtype=u.dtype the same), silently, and an in-place
+    # division raised mid-step; the schedule gets a float32 count, as before the int64 one
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1.0), fused=True)
+    state = AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True, lr_schedule=schedule)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    lrs = [state.step(x, y).values()["lr"] for _ in range(7)]
+    assert lrs == [float(schedule(torch.tensor(float(k)))) for k in range(7)]
+    assert min(lrs) > 0.0
