@@ -33,6 +33,7 @@ _WHERE = {
     "Precision": "precision",
     "RunMonitor": "monitor",
     "Sink": "sinks",
+    "ScaledEditWarning": "step",
     "SlowPrecisionWarning": "precision",
     "ShortGroupWarning": "step",
     "SkipLog": "records",

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, clip_coefficient_value, clip_to_norm_,
-                       factor_on_host, has_non_finite_grad, post_clip_norm, post_clip_value)
+                       factor_on_host, post_clip_norm, post_clip_value)
 from .errors import AmpguardWarning, user_stacklevel, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
@@ -613,6 +613,13 @@ class UnsyncedReplicasWarning(AmpguardWarning):
     applies its own (a model not wrapped in DDP or FSDP2), and the replicas drift apart."""
 
 
+class ScaledEditWarning(AmpguardWarning):
+    """Under fp16's loss scaler, a gradient changed between ``guard.backward()`` and the guard's
+    unscale (an ``on_after_backward`` edit under Lightning): a clip there acts on gradients the loss
+    scale times too large, a mask or another multiplication is sound (review 55e, a warning since
+    review 55n: the two cannot be told apart)."""
+
+
 class ShortGroupWarning(AmpguardWarning):
     """``guard.unscale_()`` before an accumulation group's last backward (a ported loop's
     ``unscale_`` outside its ``if boundary:``): the ``step()`` after it ends the group short, its
@@ -794,13 +801,12 @@ class Guard:
 
         self._half_loss_said = False  # (a float16/bfloat16 loss: said once, Guard.backward)
         self._short_group_said = False  # (a group closed short by an early unscale_(): said once, Guard.step)
-        # until the first group closes, under fp16's loss scaler: a gradient changed between backward() and the
-        # unscale (a clip_grad_norm_ of the loop's own) is refused (_check_scaled_edits); the last backward's
-        # gradients and their version counters, meanwhile; and whether the open group's edit was let
-        # through (it left the gradients non-finite: that step skips, the next group is checked)
-        self._edits_unchecked = self.scaler.is_enabled()
+        # until each optimizer's first group closes, under fp16's loss scaler: a gradient changed between
+        # backward() and the unscale (a clip_grad_norm_ of the loop's own) is warned of (_check_scaled_edits),
+        # once a guard; the optimizers not checked yet (empty: nothing to do), and the last backward's
+        # gradients and their version counters, meanwhile
+        self._edits_unchecked: set[str] = set(optimizers) if self.scaler.is_enabled() else set()
         self._grads_seen: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = None
-        self._edit_let_through = False
         self._half_said = half_said
         self.monitors: dict[str, Any] = _Monitors()  # fed by the loop, saved here: name -> obj with state_dict()
         # called at a skipped step, before its gradients are dropped (diagnostics: nothing on applied
@@ -887,9 +893,11 @@ class Guard:
         self.__dict__.setdefault("_half_said", True)
         self.__dict__.setdefault("_replicas_unjudged", set())
         self.__dict__.setdefault("_replicas_tries", {})
-        self.__dict__.setdefault("_edits_unchecked", False)
+        unchecked = self.__dict__.setdefault("_edits_unchecked", set())
+        if isinstance(unchecked, bool):  # (a guard pickled when it was one flag for the first group)
+            self._edits_unchecked = set(self.optimizers) if unchecked else set()
         self.__dict__.setdefault("_grads_seen", None)
-        self.__dict__.setdefault("_edit_let_through", False)
+        self.__dict__.pop("_edit_let_through", None)
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
         self._running_stats = RunningStats(getattr(self, "_modules", []))
@@ -955,7 +963,7 @@ class Guard:
         self._micro = 0
         self._group = None
         self._backward_pending = False
-        self._grads_seen, self._edit_let_through = None, False  # (the first group's gradients, held for the edit check: let go)
+        self._grads_seen = None  # (the first group's gradients, held for the edit check: let go)
         self.scaler.forget_unscaled(self.optimizers.values())
         self._zero_grad()
         self._running_stats.forget()  # (a restore loaded the model's statistics: the next forward copies them)
@@ -1163,7 +1171,7 @@ class Guard:
             self._grads_made = (self._grads_made and not first) or any(p.grad is not None for p, _ in self._owned)
         self._micro += 1
         self._backward_pending = True
-        if self._edits_unchecked:  # (the first group only: what step() or unscale_() compares with)
+        if self._edits_unchecked:  # (each optimizer's first group only: what step() or unscale_() compares with)
             self._grads_seen = [(p, g, g._version if g is not None else 0) for p, _ in self._owned for g in (p.grad,)]
 
     def _refuse_out_of_order(self, losses: tuple[torch.Tensor, ...]) -> None:
@@ -1286,7 +1294,7 @@ class Guard:
             return None
         names, close = called
         ends = close or self._micro >= self.accumulation_steps
-        if self._edits_unchecked:  # (the first group only)
+        if self._edits_unchecked:  # (each optimizer's first group only)
             self._check_scaled_edits(names, "step", ends)
         self._backward_pending = False
         if not ends:  # inside an accumulation group
@@ -1430,7 +1438,7 @@ class Guard:
             raise RuntimeError("Guard.unscale_(): nothing to unscale; call it after the group's last "
                                "guard.backward(loss), before guard.step()")
         names = self._names(which)
-        if self._edits_unchecked:  # (the first group only)
+        if self._edits_unchecked:  # (each optimizer's first group only)
             self._check_scaled_edits(names, "unscale_", False)
         self._unscale(names)
 
@@ -1441,48 +1449,53 @@ class Guard:
                 self.scaler.unscale_(optimizer)
 
     def _check_scaled_edits(self, names: Sequence[str], where: str, ends: bool) -> None:
-        """Until the first group closes, under fp16's loss scaler (:attr:`_edits_unchecked`): did a
-        gradient of ``names``' optimizers not unscaled yet change since the last ``backward()``
-        returned (its version counter moved, or another tensor took its place)? Then code of the
-        loop's acted on gradients still multiplied by the loss scale: the stock recipe's
+        """Until each optimizer's first group closes, under fp16's loss scaler (:attr:`_edits_unchecked`,
+        the names not checked yet): did a gradient of ``names``' optimizers not unscaled yet change
+        since the last ``backward()`` returned (its version counter moved, or another tensor took
+        its place)? Then code of the loop's acted on gradients still multiplied by the loss scale
+        (Lightning's ``on_after_backward`` too). A clip there is wrong: the stock recipe's
         ``clip_grad_norm_`` kept without its ``scaler.unscale_`` (a clip to 1.0 at scale 65536 left
         an SGD update up to 65536 times too small, the record's norms the clipped ones, and
-        ``max_norm`` never clipped), a ``clip_grad_value_``, any other edit of ``.grad``: refused,
-        the group dropped (its gradients are not the backward's any more). A backward bumps the
-        versions itself (accumulation), so the comparison is with the last one's; a gradient gone
-        (``p.grad = None``) is left to the step's own check, a plain ``GradScaler``'s ``unscale_``
-        to its refusal at the close (:meth:`_unscale_and_measure`); a ``guard.unscale_()`` before
-        the edit, the documented way, leaves nothing to compare. An optimizer whose gradients the
-        edit left non-finite skips its step whatever the edit did (a host read, on that path only):
-        let through, and the next group is checked. Attribute reads on the host, one per
-        parameter, until then; ``ends``: the group closes, and the check with it."""
+        ``max_norm`` never clipped), a ``clip_grad_value_``; a mask or another multiplication is
+        sound (it commutes with the scale: bit for bit the stock loop's). The two cannot be told
+        apart, so it is a :class:`ScaledEditWarning`, once a guard, and the step goes on as the loop
+        wrote it (review 55n: a refusal aborted a Lightning fit that masked rows). A backward bumps
+        the versions itself (accumulation), so the comparison is with the last one's; a gradient
+        gone (``p.grad = None``) is left to the step's own check, a plain ``GradScaler``'s
+        ``unscale_`` to its refusal at the close (:meth:`_unscale_and_measure`); a
+        ``guard.unscale_()`` before the edit, the documented way, leaves nothing to compare. Not
+        seen: an edit through ``.data`` (its own version counter), torch's ``_foreach_*`` ops on
+        FSDP2's DTensor gradients (they move no version counter). Attribute reads on the host, one
+        per parameter, until every optimizer's first group has closed (``ends``: the group closes,
+        and the check of ``names`` with it)."""
         seen = self._grads_seen or []  # (none: a copy made mid-group, which holds no gradients of the original's)
         for name in names:
             optimizer = self.optimizers[name]
-            if self.scaler.unscaled(optimizer) or self.scaler.twin_used(optimizer):
+            if name not in self._edits_unchecked or self.scaler.unscaled(optimizer) or self.scaler.twin_used(optimizer):
                 continue
             mine = {id(p) for p in self._params_of[name]}
             edited = next((p for p, grad, version in seen if id(p) in mine and (now := p.grad) is not None
                            and (now is not grad or now._version != version)), None)
             if edited is None:
                 continue
-            if has_non_finite_grad(self._params_of[name]):  # (it skips: nothing the edit did is applied)
-                self._edit_let_through = True
-                continue
             found = next((n for n, p in self._root.named_parameters() if p is edited), None)
             which = f"parameter {found!r}" if found is not None else f"a parameter of shape {list(edited.shape)}"
-            err = RuntimeError(
-                f"Guard.{where}(): the gradient of {which} was changed after guard.backward(), while the loss "
-                f"scale ({self.scaler.get_scale():g}) still multiplied it: a clip_grad_norm_ or clip_grad_value_ of "
-                "yours (the stock recipe's, kept), or another edit of .grad, acted on gradients that many times too "
-                "large (a clip leaves the update up to that many times too small, the record's norms are the "
-                "clipped ones and max_norm never clips); drop it (the guard clips to max_norm=), or call "
-                "guard.unscale_() before it (the step does not unscale again)")
-            self._refused(err, where)
-            raise err
+            scale = f"{self.scaler.get_scale():g}"
+            self._edits_unchecked.clear()  # (said once a guard: nothing more to check)
+            warnings.warn(ScaledEditWarning(
+                f"Guard.{where}(): the gradient of {which} was changed after guard.backward() (under Lightning: in "
+                f"on_after_backward), while the loss scale ({scale}) still multiplied it. A mask or another "
+                f"multiplication there is fine; a clip_grad_norm_ or clip_grad_value_ acts on gradients {scale} times "
+                "too large (the update up to that many times too small, the record's norms the clipped ones, max_norm "
+                "never clipping): drop it and clip with max_norm= (the plugin's, under Lightning), or unscale first "
+                "(guard.unscale_() before it in your own loop; under Lightning, move it to on_before_optimizer_step, "
+                f"which sees unscaled gradients). A norm measured there (clip_grad_norm_(..., inf)) is {scale} times "
+                "too large: torch.nn.utils.get_total_norm after the unscale. Checked at each optimizer's first step; "
+                "said once"), stacklevel=user_stacklevel())
+            break
         if ends:
-            self._edits_unchecked, self._grads_seen = self._edit_let_through, None
-            self._edit_let_through = False
+            self._edits_unchecked.difference_update(names)
+            self._grads_seen = None  # (the next backward notes its own; they would keep a replaced gradient alive)
 
     def _names(self, which: tuple[str | torch.optim.Optimizer, ...]) -> tuple[str, ...]:
         if not which:
