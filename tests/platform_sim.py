@@ -36,7 +36,7 @@ SIGNAL_NAMES = ("SIGPIPE", "SIGKILL", "SIGXFSZ", "SIGHUP", "SIGQUIT", "SIGUSR1",
 """What Windows' :mod:`signal` lacks of Linux's, of the names ampguard could use."""
 OS_NAMES = ("geteuid", "getuid", "getgid", "getegid", "O_DIRECTORY", "O_NOFOLLOW", "O_PATH", "O_CLOEXEC",
             "O_NONBLOCK", "O_NOATIME", "sched_getaffinity", "fchown", "sync", "getpgid", "killpg", "setsid", "fork",
-            "uname")
+            "uname", "pathconf", "pread")
 """What Windows' :mod:`os` lacks of Linux's, of the names ampguard could use."""
 MAC_OS_NAMES = ("O_PATH", "sched_getaffinity")
 """What macOS' :mod:`os` lacks of Linux's, of the names ampguard uses."""

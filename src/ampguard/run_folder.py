@@ -589,12 +589,27 @@ def _holder_in(fd: int) -> Holder:
     (:meth:`RunPaths.lock`: :func:`_holder_line`; an older ampguard's, the pid alone), each None
     where it holds none. A pid is ASCII digits (review 54r: ``²`` passed ``isdigit()`` and its
     ``int()`` was a traceback)."""
-    first, _, rest = os.pread(fd, 1024, 0).decode("utf-8", "surrogateescape").partition("\n")
+    first, _, rest = _read_start(fd, 1024).decode("utf-8", "surrogateescape").partition("\n")
     words = first.split(maxsplit=1)
     pid = words[0] if words and words[0].isascii() and words[0].isdigit() else None
     host = words[1] if pid is not None and len(words) > 1 else None
     kernel = rest.partition("\n")[0].removeprefix("kernel ").strip() if rest.startswith("kernel ") else None
     return pid, host, kernel or None
+
+
+def _read_start(fd: int, size: int) -> bytes:
+    """Up to ``size`` bytes from the start of the file ``fd`` is open on, its offset left where it
+    was: ``os.pread``, or where there is none (Windows: reached for a lock file a Linux run left in
+    a folder, review 55o) a seek to the start, a read, and a seek back."""
+    pread = getattr(os, "pread", None)
+    if pread is not None:
+        return pread(fd, size, 0)
+    at = os.lseek(fd, 0, os.SEEK_CUR)
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, size)
+    finally:
+        os.lseek(fd, at, os.SEEK_SET)
 
 
 def _holder_named(holder: Holder) -> str | None:

@@ -136,6 +136,35 @@ def unlocked_said_once():
     assert len(lines) == 1 and "not locked on this platform" in lines[0] and "\n" not in lines[0], lines
 
 
+@scenario
+def new_folder_judged():
+    # review 55o F2: os.pathconf (Unix only) judged each name to be made: a new out_dir (the HF callback's,
+    # the Lightning csv='s parent, a tracker's dir) was an AttributeError traceback
+    from ampguard.errors import folder_problem, unwritable
+    assert folder_problem(d / "brand_new" / "guard") is None and unwritable(d / "brand_new" / "guard") is None
+    assert not (d / "brand_new").exists()
+    why = folder_problem(d / "brand_new" / ("x" * 256))
+    assert why is not None and "File name too long" in why, why
+    assert folder_problem(d / "brand_new" / ("é" * 255)) is None  # (255 UTF-16 units: NTFS takes it)
+
+
+@scenario
+def linux_lock_file_read():
+    # review 55o F2: os.pread (Unix only) read a lock file's holder, one a Linux run left in the folder
+    from ampguard import run_folder
+    (d / "linux_run").mkdir()
+    lock = d / "linux_run" / run_folder.LOCK_FILE
+    lock.write_text("4242 gpu-node-7\nkernel 0f-boot\n")
+    assert run_folder._holder_of(d / "linux_run") == ("4242", "gpu-node-7", "0f-boot")
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        os.lseek(fd, 7, os.SEEK_SET)
+        assert run_folder._holder_in(fd) == ("4242", "gpu-node-7", "0f-boot")
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 7  # (its offset left where it was, as pread leaves it)
+    finally:
+        os.close(fd)
+
+
 out.write_text(json.dumps(results))
 '''
 
@@ -161,7 +190,8 @@ def on_windows(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("scenario", ["version", "help", "reader_left_stops", "csv_resume_cut", "replace_atomically",
-                                      "rename_onto_nothing", "unlocked_said_once"])
+                                      "rename_onto_nothing", "unlocked_said_once", "new_folder_judged",
+                                      "linux_lock_file_read"])
 def test_under_the_windows_simulation(on_windows, scenario):
     # SIGPIPE read at import (version, help); the descriptor walk (the CSV cut, a card written);
     # ctypes.CDLL(None)'s TypeError (rename_onto_nothing); no fcntl, and no word of it
