@@ -42,7 +42,7 @@ MAC_OS_NAMES = ("O_PATH", "sched_getaffinity")
 """What macOS' :mod:`os` lacks of Linux's, of the names ampguard uses."""
 MODULES = ("fcntl", "resource", "pwd", "grp", "termios")
 """The POSIX-only modules ``nofcntl`` makes unimportable."""
-THIRD_PARTY = ("torch", "numpy", "yaml", "pydantic", "matplotlib.pyplot")
+THIRD_PARTY = ("torch", "numpy", "yaml", "pydantic", "matplotlib.figure", "matplotlib.backends.backend_agg")
 """Imported before anything is taken away."""
 _DIR_FD_FUNCTIONS = ("stat", "lstat", "open", "unlink", "replace", "rename", "readlink", "mkdir", "rmdir", "chmod")
 

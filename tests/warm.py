@@ -67,7 +67,7 @@ from typing import Any
 PRELOAD = ["warm", "torch", "torch._dynamo", "ampguard.cli", "ampguard.train", "ampguard.trainer", "ampguard.report",
            "ampguard.bench", "ampguard.locate", "ampguard.tasks.linear"]
 """What the forkserver imports before its first fork (``warm`` itself: the child's code; and
-matplotlib with the Agg backend, as ampguard's plots import it: see :func:`_warm_up`)."""
+matplotlib's Figure and Agg canvas, as ampguard's plots import them: see :func:`_warm_up`)."""
 
 _MAIN_PROCESS = type(multiprocessing.process.current_process())
 """(The class of a fresh interpreter's ``multiprocessing.current_process()``: read at this module's
@@ -90,11 +90,10 @@ def _context() -> Any:
 
 
 def _warm_up() -> None:
-    """What ampguard's plots import (run in the forkserver, when it imports this module)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
+    """What ampguard's plots import (run in the forkserver, when it imports this module): a
+    ``Figure`` and its Agg canvas (``report.import_matplotlib``; no pyplot, no backend chosen)."""
+    for module in ("matplotlib.figure", "matplotlib.backends.backend_agg"):
+        importlib.import_module(module)
 
 
 if getattr(sys.modules.get("__main__"), "main", None) is getattr(sys.modules.get("multiprocessing.forkserver"), "main",

@@ -30,9 +30,9 @@ from .errors import shown as shown_path
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at,
-                     finite_points, import_pyplot, judged_at_end, panel_title, plot_metadata, policy_changes_of,
-                     read_card, read_held_out, reading_notes, replay, rollbacks_of, rolling_skip_rate, scale_restarts,
-                     segment_ends, shown, threshold_by_step, threshold_line, threshold_text, whole_steps)
+                     finite_points, import_matplotlib, judged_at_end, new_figure, panel_title, plot_metadata,
+                     policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of, rolling_skip_rate,
+                     scale_restarts, segment_ends, shown, threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
 from .signals import console_width
 from .sinks import Row, read_steps_and_columns
@@ -296,20 +296,15 @@ def plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     and 1e308 in an edited CSV) put the loss panel on a symmetric log axis; values matplotlib still
     cannot lay an axis out for are an :class:`InputError`, with nothing written.
     """
-    import_pyplot()
+    import_matplotlib()
     with warnings.catch_warnings():  # (numpy's overflow notes on values near the float maximum)
         warnings.simplefilter("ignore", RuntimeWarning)
         return _plot_overlay(runs, png)
 
 
 def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     png = Path(png)
-    fig, axes = plt.subplots(4, 1, sharex=True, figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    fig, axes = new_figure(4, FIGSIZE, DPI, layout="constrained")
     ax_loss, ax_norm, ax_scale, ax_skip = axes
     colours, few = run_colours(len(runs)), len(runs) <= FEW_RUNS
     log_loss, top_rate, losses, handles = True, 0.0, [], []
@@ -384,8 +379,6 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
     except (ValueError, OverflowError) as err:  # matplotlib's axes: values spanning more than a float holds
         raise InputError(f"compare: --out {png}: cannot draw these runs' values (a steps.csv value too large "
                          f"to plot, such as losses of -1e308 and 1e308?): {first_line(err, with_type=True)}") from None
-    finally:
-        plt.close(fig)
     return png
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import importlib
 import math
 import re
 import os
@@ -944,19 +945,43 @@ def shown(text: str) -> str:
     return visible(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
 
 
-def import_pyplot() -> None:
-    """matplotlib's pyplot imported (on the Agg backend) with the stop signals held, by a verb that
-    draws outside a run (``report``, ``compare``): a Ctrl-C or SIGTERM in the import reached
-    matplotlib wrapped in a ``RuntimeError`` that its ``except Exception`` around its 3-D import
-    swallowed, and the verb drew and exited 0 (review 52m); held, it stops the verb as the import
-    ends. A run's own handlers only take note: ``plot_run`` imports it there itself."""
+def import_matplotlib() -> None:
+    """What the plots draw with (:class:`matplotlib.figure.Figure`, the Agg canvas) imported with
+    the stop signals held, by a verb that draws outside a run (``report``, ``compare``): a Ctrl-C
+    or SIGTERM in the import reached matplotlib wrapped in a ``RuntimeError`` that its ``except
+    Exception`` around its 3-D import swallowed, and the verb drew and exited 0 (review 52m); held,
+    it stops the verb as the import ends. A run's own handlers only take note: ``plot_run`` imports
+    it there itself. Never pyplot, nor ``matplotlib.use``: a plot is a :func:`new_figure`, and a
+    run, ``report`` or ``compare`` called in a notebook's process leaves its backend and pyplot's
+    figures as they were (review 55r: they switched it to Agg for the kernel's life, and inline
+    plots and ``plt.show()`` stopped showing)."""
     from .signals import held_signals
 
     with held_signals():
-        import matplotlib
+        for module in ("matplotlib.figure", "matplotlib.backends.backend_agg"):
+            importlib.import_module(module)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
+
+def new_figure(rows: int, figsize: tuple[float, float], dpi: float = DPI, **kwargs: Any) -> tuple[Any, Any]:
+    """A figure of ``rows`` panels on a shared x axis at ``dpi``, drawn on its own Agg canvas,
+    and its axes: what ``plt.subplots(rows, 1, sharex=True, ...)`` makes, without pyplot (no
+    backend chosen, nothing in pyplot's figure list, nothing to close; the PNG is the same,
+    byte for byte).
+
+    Example::
+
+        >>> import matplotlib, matplotlib.pyplot as plt
+        >>> backend, figures = matplotlib.get_backend(), plt.get_fignums()
+        >>> fig, axes = new_figure(2, (4.0, 3.0))
+        >>> len(axes), type(fig.canvas).__name__, (matplotlib.get_backend(), plt.get_fignums()) == (backend, figures)
+        (2, 'FigureCanvasAgg', True)
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi, layout=kwargs.pop("layout", None))
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(rows, 1, sharex=True, **kwargs)
 
 
 def plot_run(
@@ -1024,18 +1049,12 @@ def plot_run(
         note(f"{err}: the plot leaves the headroom heatmap out")
         heat = []
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     size = (FIGSIZE[0], FIGSIZE[1] + (HEATMAP_HEIGHT if heat else 0.0))
     # the heatmap's row labels (layer names) are as long as a model makes them: constrained layout
     # measures them; the five panels alone fit fixed margins (tick labels out to -1e308 included),
     # and laying them out by measure was ~45% of the plot's time (0.89 -> 0.61 s a plot)
-    fig, axes = plt.subplots(6 if heat else 5, 1, sharex=True, figsize=size, dpi=DPI,
-                             layout="constrained" if heat else None,
-                             height_ratios=[1.0] * 5 + ([2.2] if heat else []))
+    fig, axes = new_figure(6 if heat else 5, size, layout="constrained" if heat else None,
+                           height_ratios=[1.0] * 5 + ([2.2] if heat else []))
     if not heat:
         fig.subplots_adjust(**PANEL_MARGINS)
     png_path = Path(png_path)
@@ -1058,8 +1077,6 @@ def plot_run(
         raise InputError(f"{png_path}: cannot write the plot ({failed_because(err)})") from None
     except (ValueError, ArithmeticError) as err:  # numbers matplotlib cannot lay out: one line, no PNG
         raise InputError(f"{csv_path}: cannot be plotted ({first_line(err, with_type=True)})") from None
-    finally:
-        plt.close(fig)
     # a partial plot a report killed in its draw left (SIGKILL, the OOM killer) goes; a live one's stays
     # (review 52c: nothing ever took it out of the run folder)
     with contextlib.suppress(OSError):  # (only space: never the plot's failure)
@@ -1080,15 +1097,11 @@ def _linear_y(ax: Any, values: list[float], label: str) -> None:
 
     Example::
 
-        >>> import matplotlib
-        >>> matplotlib.use("Agg")
-        >>> import matplotlib.pyplot as plt
-        >>> fig, (a, b) = plt.subplots(2)
+        >>> fig, (a, b) = new_figure(2, FIGSIZE)
         >>> _linear_y(a, [0.5, -2.0], "loss"), _linear_y(b, [1e308, -1e308, 0.5], "loss")
         (None, None)
         >>> a.get_yscale(), a.get_ylabel(), b.get_yscale(), b.get_ylabel(), tuple(map(float, b.get_ylim()))
         ('linear', 'loss', 'symlog', 'loss (symlog)', (-1e+308, 1e+308))
-        >>> plt.close(fig)
     """
     if not any(abs(v) > LINEAR_LIMIT for v in values):
         ax.set_ylabel(label)
@@ -1276,10 +1289,7 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
 
     Example (a gradient that overflowed at loss scale 8, below 2**alert_bits: dark red)::
 
-        >>> import matplotlib
-        >>> matplotlib.use("Agg")
-        >>> import matplotlib.pyplot as plt
-        >>> fig, ax = plt.subplots()
+        >>> fig, ax = new_figure(1, FIGSIZE)  # (one panel: its axes alone)
         >>> rows = [HeadroomRow(s, "fc", t, 1.0, b, 0.0) for s, t, b in [(10, "output", 9.0), (10, "grad", 3.0),
         ...                                                              (20, "output", 8.0), (20, "grad", -math.inf)]]
         >>> mesh = headroom_panel(fig, ax, rows, alert_bits=4.0, scale_at=lambda step: 8.0)
@@ -1288,7 +1298,6 @@ def headroom_panel(fig: Any, ax: Any, rows: list[HeadroomRow], alert_bits: float
         >>> from matplotlib.colors import to_rgba
         >>> tuple(mesh.to_rgba(mesh.get_array())[1, 1]) == to_rgba("darkred")  # (fc grad, step 20)
         True
-        >>> plt.close(fig)
     """
     import numpy as np
     from matplotlib import colormaps
@@ -2014,7 +2023,7 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     title = f"run {target.resolve().name}" if target.is_dir() else None
     mon = judged.monitor
     if plot:
-        import_pyplot()
+        import_matplotlib()
         plot_run(csv_path, png, max_norm=config.max_norm if max_norm is None else max_norm, window=mon.window,
                  alert_rate=mon.alert_rate, fail_rate=mon.fail_rate, min_steps=mon.min_steps, title=title,
                  headroom=headroom_beside(csv_path),
