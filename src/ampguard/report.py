@@ -22,7 +22,7 @@ from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number, visible,
                      whole_number)
-from .files import left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
+from .files import DiskFull, left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
 from .fp8 import in_float8
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
 from .monitor import AT_THE_END, DEFAULT_MIN_STEPS, THRESHOLDS, RollingWindow, RunMonitor, ScaleHealth
@@ -1803,10 +1803,69 @@ def _summary_of(csv_path: Path) -> dict[str, Any]:
     return summary if isinstance(summary, dict) else {}
 
 
+REPORT_DRAWS_IT = "`ampguard report` draws it)"
+"""How each ``plot`` row of a run card that names no plot ends, before the cell's `` |`` (a plot
+killed or failed in the run's end; ``log.plot`` false: :func:`_file_rows`): the row
+:func:`card_after_report` rewrites once ``report`` drew it."""
 PLOT_BEING_DRAWN = ("not drawn: the run's end was drawing it when this card was written, and did not finish "
                     "(`ampguard report` draws it)")
 """The run card's ``plot`` row while the run's end draws the plot (:func:`write_report`): the card
-stays saying so when the drawing never ends (a kill, the OOM killer)."""
+stays saying so when the drawing never ends (a kill, the OOM killer), until ``report`` draws it
+(:func:`card_after_report`)."""
+DRAWN_BY_REPORT = "`{}` (drawn after the run by `ampguard report`)"
+"""The ``plot`` row :func:`card_after_report` writes in place of one that said the plot was not drawn."""
+MAX_CARD_BYTES = 1 << 20
+"""A run card larger than this is no card ampguard wrote (a few KiB): ``report`` leaves it alone."""
+
+
+def card_after_report(paths: RunPaths, png: Path) -> str | None:
+    """After ``report`` drew a run folder's plot ``png`` (its ``report.png``): the run card's
+    ``plot`` row, where it says the plot was not drawn (:data:`PLOT_BEING_DRAWN`, a plot that
+    failed in the run's end, ``log.plot`` false: each says :data:`REPORT_DRAWS_IT`), rewritten to
+    name it (:data:`DRAWN_BY_REPORT`), every other byte of the card as it was, the whole card
+    replaced at once (:func:`~ampguard.files.replace_atomically`). Review 55o: after a plot killed in
+    the run's end, the card said "not drawn" for good beside the ``report.png`` that ``report`` drew.
+    Never while a process trains in the folder (:meth:`~ampguard.run_folder.RunPaths.writer`: it
+    writes its own card at its end), nor to a card without such a row (one that names a plot, a
+    card of another's making, a link). The line ``report`` says: what it did, or why the row could
+    not be rewritten; None where it had nothing to do.
+
+    Example (a run whose plot was killed in its end)::
+
+        >>> import shutil, tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> card = "# Run r\\n\\n## Files\\n\\n| | |\\n|---|---|\\n| plot | {} |\\n| effective config | x |\\n"
+        >>> _ = (folder / "RUN.md").write_text(card.format(PLOT_BEING_DRAWN), encoding="utf-8")
+        >>> _ = (folder / "report.png").write_bytes(b"")
+        >>> card_after_report(RunPaths.existing(folder), folder / "report.png").replace(str(folder), "DIR")
+        'DIR/RUN.md: its plot row said the plot was not drawn; it names report.png now'
+        >>> (folder / "RUN.md").read_text(encoding="utf-8") == card.format(DRAWN_BY_REPORT.format("report.png"))
+        True
+        >>> card_after_report(RunPaths.existing(folder), folder / "report.png") is None  # (nothing more to do)
+        True
+        >>> shutil.rmtree(folder)
+    """
+    card = paths.card
+    try:
+        if card is None or paths.plot is None or png.resolve() != paths.plot.resolve() or not png.is_file():
+            return None
+        if card.is_symlink() or not card.is_file() or card.stat().st_size > MAX_CARD_BYTES:
+            return None
+        lines = card.read_bytes().split(b"\n")
+    except OSError:
+        return None
+    rows = [i for i, line in enumerate(lines)
+            if line.startswith(b"| plot | not drawn") and line.endswith(f"{REPORT_DRAWS_IT} |".encode())]
+    if len(rows) != 1 or paths.writer() is not None:  # (a live run writes its own card at its end)
+        return None
+    lines[rows[0]] = f"| plot | {DRAWN_BY_REPORT.format(png.name)} |".encode()
+    try:
+        replace_atomically(card, b"\n".join(lines))
+    except (OSError, DiskFull) as err:
+        if not getattr(err, "replaced", False):  # (one whose folder's sync failed after the rename: rewritten)
+            why = failed_because(err.error if isinstance(err, DiskFull) else err)
+            return f"{card}: its plot row still says the plot was not drawn: it could not be rewritten ({why})"
+    return f"{card}: its plot row said the plot was not drawn; it names {png.name} now"
 
 
 def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
@@ -1877,6 +1936,8 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
     each keyword given overrides its setting. ``max_norm`` and ``fail_rate`` only draw their
     lines; ``window``, ``alert_rate`` and ``min_steps`` judge the skip-rate alerts again, and the
     summary says so. The clip rate is the run's, whatever ``max_norm`` says (:func:`run_clip_rate`).
+    A run folder's ``report.png`` drawn, its card's plot row that said the plot was not drawn names
+    it now (:func:`card_after_report`).
 
     Example (a run folder without ``config.yaml``: the default thresholds, ``window`` given)::
 
@@ -2031,8 +2092,10 @@ def run(path: str | Path, *, out: str | Path | None = None, max_norm: float | No
                  scale_floor=config.scaler.min_scale, note=lambda line: _said(f"note: {line}"),
                  policy=[c for c in policy if max_norm is None or c["key"] != "max_norm"],  # (--max-norm: one line)
                  events_dir=log if config_path.is_file() else None, scaler_on=scaler_on, unobserved=unseen)
+    # the run card's plot row, where it says the plot was not drawn: it names the one drawn now (review 55o)
+    carded = card_after_report(folder, png) if plot else None
     run_dir = log if config_path.is_file() else None  # (a bare CSV's: no steps, no max_norm known)
-    for note in [n for n in (defaults, unjudged) if n is not None] + reading_notes(
+    for note in [n for n in (defaults, unjudged, carded) if n is not None] + reading_notes(
             csv_path, rows, torn, run_dir, extra, config if run_dir else None, policy, unseen, held, ended):
         _said(f"note: {note}")
     if unseen:
