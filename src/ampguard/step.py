@@ -1043,10 +1043,15 @@ class Guard:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward-pass context: autocast to the precision's dtype (nothing for fp32) and, on a
         micro-batch that does not close its group, no gradient all-reduce (DDP's ``no_sync``)."""
-        if self._backward_pending:
-            raise RuntimeError("Guard.autocast() before step(): call guard.step() after each guard.backward(loss)"
-                               + (f" (inside a group of accumulation_steps={self.accumulation_steps} it returns None:"
-                                  " no counter of your own)" if self.accumulation_steps > 1 else ""))
+        if self._backward_pending:  # (review 55r: a loop cell re-run after a Ctrl-C between the two was told
+            # "call guard.step() after each guard.backward(loss)", which its loop does, at every re-run)
+            n = self.accumulation_steps
+            which = f"micro-batch {self._micro} of {n} of step {self.steps + 1}" if n > 1 else f"step {self.steps + 1}"
+            raise RuntimeError(f"Guard.autocast() while the guard.backward() of {which} awaits its guard.step() (a "
+                               "loop interrupted between the two?): call guard.step() once to finish it, then go "
+                               "on; a loop calls guard.step() after each guard.backward(loss)"
+                               + (f" (inside a group of accumulation_steps={n} it returns None: no counter of your "
+                                  "own)" if n > 1 else ""))
         stats = self._running_stats
         # (a model with BatchNorm, one added, or every UNFROZEN_EVERY steps a look for one that came with
         # no registration, on a group's first micro-batch: a compiled model's layers' hooks copy nothing)

@@ -358,7 +358,8 @@ def test_backward_inside_autocast_is_refused_and_nothing_is_counted(precision):
 def test_a_forward_before_the_pending_step_raises():
     model, guard = _guard(accumulation_steps=2)
     guard.backward(_loss(model))
-    with pytest.raises(RuntimeError, match=r"autocast\(\) before step\(\)") as err:
+    with pytest.raises(RuntimeError, match=r"^Guard.autocast\(\) while the guard.backward\(\) of micro-batch 1 of 2 "
+                                           r"of step 1 awaits its guard.step\(\)") as err:
         with guard.autocast():
             pass
     # a loop keeping its own accumulation counter (step() every Nth batch) is told why
