@@ -32,8 +32,8 @@ from .errors import AmpguardWarning, user_stacklevel, whole_number
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_PROBING, STEPPING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
-                    _parameter_count, _parameter_slots, _probe_autocast, _watch_registrations, first_forward_dtypes,
-                    holds_gradients)
+                    _parameter_count, _parameter_slots, _probe_autocast, _watch_registrations, began_update,
+                    first_forward_dtypes, holds_gradients)
 
 
 def __getattr__(name: str) -> Any:
@@ -716,6 +716,9 @@ class Guard:
     # begins a new step"); ``ampguard train``, which ends the run at any raise and whose user never
     # called the guard, turns them off (review 53e: a peer's death ended rank 0's traceback with it)
     _loop_notes = True
+    # the optimizer whose step() raised after it may have begun its update (set on the error path
+    # only, read and cleared by _dropped: its note says the update may be partly applied; review 55r)
+    _partly: str | None = None
 
     optimizer = _SetOnce()
     optimizers = _SetOnce()
@@ -1394,6 +1397,7 @@ class Guard:
         """
         stepped, self._stepped = self._stepped, None
         owed, self._owed = self._owed, None
+        partly, self._partly = self._partly, None
         names, skipped, settled = owed if owed is not None else _Owed((), (), False)
         if owed is not None and not settled and (stepped or skipped):  # (settled: a scheduler raised after)
             if not skipped and len(stepped) == len(names):  # (every one stepped: a post-hook raised after)
@@ -1403,19 +1407,26 @@ class Guard:
                 self._step_schedulers([n for n in names if n in (stepped or ()) or n in skipped], stepped or ())
             except Exception as later:  # (the error the loop sees stays the first one)
                 err.add_note(f"ampguard: settling the step raised too: {later!r}")
+        # an optimizer's step() that raised inside its update (a Ctrl-C between two parameters, an
+        # out-of-memory): some parameters and their state may have moved; no "nothing was applied"
+        torn = "" if partly is None else (
+            f"{f'optimizer {partly!r}' if len(self.optimizers) > 1 else 'the optimizer'}'s step() raised part-way: "
+            "its update may be partly applied, to some parameters and their optimizer state, and is not counted; "
+            "the weights may be inconsistent: restore them from a checkpoint")
         if stepped is None and skipped:  # (a skip that ran: counted, its scale backed off)
             which = f" of {', '.join(map(repr, skipped))}" if len(self.optimizers) > 1 else ""
-            said = f"step {self.steps} was skipped{which}, nothing was applied, its record was not made"
+            said = (f"step {self.steps} was skipped{which}, its record was not made; {torn}" if torn else
+                    f"step {self.steps} was skipped{which}, nothing was applied, its record was not made")
         elif stepped is None:
-            self.steps = steps  # (nothing was applied: the step number is the next one's)
+            self.steps = steps  # (nothing counted: the step number is the next one's)
             if self._tail_found is not None:  # (the sync-free tail had advanced the count: undo it)
                 self._updates_t.sub_((self._tail_found == 0).long())
-            said = "nothing was applied"
+            said = torn or "nothing was applied"
         elif not stepped:  # (the sync-free step: its optimizer ran, what it did was decided on the device)
             said = f"step {self.steps} ran on the device, applied or skipped there; its record was not made"
         else:  # (an update stands, counted already; no record was made)
             which = f" of {', '.join(map(repr, stepped))}" if len(self.optimizers) > 1 else ""
-            said = f"step {self.steps}'s update{which} was applied, its record was not made"
+            said = f"step {self.steps}'s update{which} was applied, its record was not made" + (f"; {torn}" if torn else "")
         self._tail_found = None
         self._abandon_group()
         for scheduler in self._every_scheduler():
@@ -1714,9 +1725,12 @@ class Guard:
                 for name in applied:
                     self.optimizers[name].step()
                     self._count_stepped(name)
-            except BaseException:
+            except BaseException as err:
                 if STEPPING.finished is self.optimizers[name]:  # (its update ran, a later step post-hook raised)
-                    self._count_stepped(name)
+                    if name not in (self._stepped or ()):  # (not when a Ctrl-C came after it was counted)
+                        self._count_stepped(name)
+                elif began_update(self.optimizers[name], err):  # (not a pre-hook's refusal: it may be torn)
+                    self._partly = name
                 raise
 
     def _record(self, names: tuple[str, ...], skipped: tuple[str, ...], read: _Read, lr: Any,
@@ -1829,9 +1843,11 @@ class Guard:
         with _GuardStepping([self.optimizer]):
             try:
                 self.optimizer.step()
-            except BaseException:
+            except BaseException as err:
                 if STEPPING.finished is self.optimizer:  # its update ran, a step post-hook raised: the step stands
                     self._settle_sync_free(found)
+                elif began_update(self.optimizer, err):  # (not a pre-hook's refusal: it may be torn)
+                    self._partly = next(iter(self.optimizers))
                 raise
             finally:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 import weakref
@@ -132,6 +133,31 @@ def _refuse_stray_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
 def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if id(optimizer) in STEPPING.stepping:  # (the guard's own steps only; it lets go of the optimizer after each)
         STEPPING.finished = optimizer
+
+
+def began_update(optimizer: torch.optim.Optimizer, err: BaseException) -> bool:
+    """Whether ``optimizer.step()``, which raised ``err`` before it finished, may have begun its
+    update: False only where that is certain, ``err`` raised by one of its step pre-hooks (torch's
+    global ones or its own), which run before the update, from outside the step's own body (a
+    frame of a pre-hook's code in the traceback, none of the body's). An error anywhere else
+    inside ``step()`` (an out-of-memory as it makes its state, a Ctrl-C between two parameters of
+    a per-tensor loop) may have left some parameters and their state moved (review 55r). Read on
+    the error path only: the traceback's frames against the hooks' code."""
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
+             *getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()]
+    codes = {code for hook in hooks if (code := getattr(getattr(hook, "__func__", hook), "__code__", None))}
+    body = getattr(inspect.unwrap(getattr(type(optimizer), "step", None)), "__code__", None)
+    in_hook = False
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code is body:  # (the update's own code ran: whatever a hook inside it raised)
+            return True
+        in_hook = in_hook or code in codes
+        tb = tb.tb_next
+    return not in_hook
 
 
 class _GuardStepping:
