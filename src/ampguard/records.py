@@ -25,7 +25,7 @@ LABEL_COLUMNS: tuple[str, ...] = ("optimizers", "skipped_optimizers")
 Value = torch.Tensor | float | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class StepRecord:
     """Fields shared by :class:`StepLog` and :class:`SkipLog` (docs/design.md §3).
 
@@ -115,6 +115,20 @@ class StepRecord:
             stacked = torch.stack([t.detach().reshape(()).to(device, dtype) for t in tensors.values()])
             read.update(zip(tensors, stacked.tolist()))
         return self._keep(read)
+
+    def __repr__(self) -> str:
+        """``StepLog(step=1, lr=0.1, loss=1.105, ...)``, the numbers :meth:`values` reads: the
+        tensors in one transfer (none where the step's own read brought them), kept for the sinks;
+        a field-by-field repr read each tensor on its own, a host sync each on a GPU (review 55r)."""
+        return f"{type(self).__name__}(step={self.step!r}, {self._shown()})"
+
+    def _shown(self) -> str:
+        """The repr's values, ``lr=0.1, loss=0.5, ...``; one line, should they not read."""
+        try:
+            values = self.values()
+        except Exception as err:  # noqa: BLE001 - a repr says it, a debugger's view of the record goes on
+            return f"values not readable: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        return ", ".join(f"{name}={values[name]!r}" for name in StepRecord._NUMERIC)
 
     def _unread(self) -> dict[str, torch.Tensor]:
         """The tensor fields whose values are not on the host yet."""
@@ -249,7 +263,7 @@ class InFlight:
         return record, extra
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class StepLog(StepRecord):
     """An applied optimizer update.
 
@@ -265,7 +279,7 @@ class StepLog(StepRecord):
     """(:attr:`SkipLog.loss_on`: an applied step's loss was finite on every rank.)"""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class SkipLog(StepRecord):
     """A skipped step: parameters and optimizer state untouched, the scale backed off.
 
@@ -287,13 +301,16 @@ class SkipLog(StepRecord):
     ``"ranks 1 and 3"`` or ``"every rank"`` (:func:`loss_origin`); None otherwise."""
     skipped: ClassVar[bool] = True
 
+    def __repr__(self) -> str:
+        return f"SkipLog(step={self.step!r}, {self._shown()}, reason={self.reason!r})"
+
     def __post_init__(self) -> None:  # (a skipped step only: the CSV's skip_reason is a closed set)
         if self.reason not in SKIP_REASONS:
             raise ValueError(f"SkipLog reason must be one of {', '.join(SKIP_REASONS)} (docs/design.md §3), "
                              f"got {self.reason!r}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class PendingStep(StepRecord):
     """A step of the sync-free path: whether it was skipped is still a device value.
 
@@ -346,6 +363,19 @@ class PendingStep(StepRecord):
         elif self.clip is not None:  # the slot held the clip factor
             out["grad_l2_post_clip"] = post_clip_value(pre, out["grad_l2_post_clip"], *self.clip)  # type: ignore[arg-type]
         return out
+
+    def __repr__(self) -> str:
+        """Not read yet (the sync-free step's promise: nothing reads the device but the reader
+        it is handed to), ``PendingStep(step=3, not read yet: ...)``; once read, its values and
+        whether it was skipped. Its fields as they stand would mislead: a clipped step's
+        ``grad_l2_post_clip`` is None (the packed slot holds the clip factor), the skip is a
+        device value (review 55r)."""
+        if self._host is None and (self.packed is not None or self._unread()):
+            return (f"PendingStep(step={self.step!r}, not read yet: .values() or .resolve() reads it, one host "
+                    "sync)")
+        shown, reason = self._shown(), self._reason
+        return (f"PendingStep(step={self.step!r}, {shown}, skipped={reason is not None}"
+                + (f", reason={reason!r})" if reason is not None else ")"))
 
     @property
     def skipped(self) -> bool:  # type: ignore[override]
