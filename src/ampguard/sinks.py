@@ -1894,7 +1894,9 @@ class BackgroundSink:
     CUDA) and queues it; the thread waits for that copy, not the training loop, then hands the
     record to ``inner``. ``close`` drains the queue (also after Ctrl-C: the loop's ``finally``
     closes its sinks; and at the interpreter's exit, for a sink nobody closed: a loop that
-    crashed), so every row written so far reaches the file. An error in the thread is raised by
+    crashed), so every row written so far reaches the file. A sink nobody closed that nothing
+    refers to any more (a notebook cell that made one, run again) is collected: its thread writes
+    what is queued, closes ``inner`` and ends (an error left is one line on stderr). An error in the thread is raised by
     the next ``write`` or by ``close``, and no record after the one that failed is written (a CSV
     never has a hole): every later ``write`` is refused, naming it. A write after ``close`` is
     refused too. A SIGKILL loses the records still queued (at most ``max_pending``; a
@@ -1918,19 +1920,33 @@ class BackgroundSink:
 
     def __init__(self, inner: Sink, max_pending: int = 1024) -> None:
         import queue
-        import threading
 
         self.inner = inner
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None  # the thread's error, not raised yet
-        self._failed: BaseException | None = None  # the thread's error: nothing more is written
+        # (what the thread holds, never the sink itself: a sink nobody closed is collected, and
+        # its finalizer has the thread write what is queued, close ``inner`` and end; review 55r:
+        # each re-run of a notebook cell left a thread and an open file until the kernel ended)
+        self._writing = _Writing(inner, queue.SimpleQueue(), threading.Semaphore(max_pending) if max_pending > 0 else None)
         self._closed = False
-        self._thread = threading.Thread(target=self._drain, name="ampguard-writer", daemon=True)
+        self._thread = threading.Thread(target=_write_in_background, args=(self._writing,), name="ampguard-writer",
+                                        daemon=True)
         self._thread.start()
         # (a daemon thread: a loop that ends without close() does not hang at exit; its queue is
         # drained there instead, before the interpreter stops the thread)
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
+        # (SimpleQueue.put is reentrant: safe from a finalizer whatever the thread that collects the sink holds)
+        self._finalizer = weakref.finalize(self, _dropped_unclosed, self._writing.queue, self._at_exit)
+        self._finalizer.atexit = False  # (at exit, _close_at_exit drains and closes, waiting for the thread)
+
+    @property
+    def _error(self) -> BaseException | None:
+        """The thread's error, not raised yet."""
+        return self._writing.error
+
+    @property
+    def _failed(self) -> BaseException | None:
+        """The thread's error: nothing more is written."""
+        return self._writing.failed
 
     def __enter__(self) -> BackgroundSink:
         return self
@@ -1938,31 +1954,15 @@ class BackgroundSink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _drain(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is self._DONE:
-                return
-            if callable(item):  # a barrier (begin_again): every record queued before it is written
-                item()
-                continue
-            record, extra, wait = item
-            try:
-                if self._error is None:
-                    wait()
-                    self.inner.write(record, extra)
-            except BaseException as err:  # noqa: BLE001 - handed to the writer's caller
-                self._error = self._failed = err
-
     def _raise(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
+        if self._writing.error is not None:
+            err, self._writing.error = self._writing.error, None
             raise err
 
     def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
         """Start the record's host copy and queue it; raises an earlier error of the thread, and
         what an inner :class:`CsvSink` refuses whatever the rows before (:meth:`CsvSink.check`:
-        an undeclared column) before queuing."""
+        an undeclared column) before queuing. Waits while ``max_pending`` records are queued."""
         if record is None:
             raise TypeError(NONE_WRITTEN)
         if self._closed:
@@ -1973,7 +1973,9 @@ class BackgroundSink:
                              "is written to it")
         if isinstance(self.inner, CsvSink):
             self.inner.check(record, extra)
-        self._queue.put((record, extra, record.prefetch()))
+        if self._writing.room is not None:
+            self._writing.room.acquire()
+        self._writing.queue.put((record, extra, record.prefetch()))
 
     def begin_again(self, step: int) -> str | None:
         """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): the
@@ -1981,10 +1983,8 @@ class BackgroundSink:
         abandoned attempt's aside (``None`` when ``inner`` has no ``begin_again``). Raises an
         error of the thread, as ``write`` does."""
         if self._thread.is_alive():
-            import threading
-
             written = threading.Event()
-            self._queue.put(written.set)
+            self._writing.queue.put(written.set)
             written.wait()
         self._raise()
         again = getattr(self.inner, "begin_again", None)
@@ -1996,12 +1996,70 @@ class BackgroundSink:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         atexit.unregister(self._at_exit)
         if self._thread.is_alive():
-            self._queue.put(self._DONE)
+            self._writing.queue.put(self._DONE)
             self._thread.join()
         self.inner.close()
         self._raise()
+
+
+_DROPPED = object()
+"""Put on a :class:`BackgroundSink`'s queue when the sink was collected unclosed: the thread writes
+what is queued before it, closes the inner sink and ends."""
+
+
+class _Writing:
+    """A :class:`BackgroundSink`'s writer thread's state: the inner sink, the queue, the room left
+    in it (``max_pending``; None: no bound), the error not raised yet and the one that stopped the
+    writing. The thread holds this, not the sink."""
+
+    __slots__ = ("inner", "queue", "room", "error", "failed")
+
+    def __init__(self, inner: Sink, queue: Any, room: threading.Semaphore | None) -> None:
+        self.inner, self.queue, self.room = inner, queue, room
+        self.error: BaseException | None = None
+        self.failed: BaseException | None = None
+
+
+def _write_in_background(writing: _Writing) -> None:
+    """The writer thread: each record queued, in order, to the inner sink; none after one failed
+    (a CSV never has a hole). Ends at ``close()``'s mark, or at a dropped sink's (:data:`_DROPPED`),
+    after which it closes the inner sink itself and says an error nobody was left to raise."""
+    while True:
+        item = writing.queue.get()
+        if item is BackgroundSink._DONE:
+            return
+        if item is _DROPPED:
+            try:
+                writing.inner.close()
+            except BaseException as err:  # noqa: BLE001 - nobody to raise it to: said
+                writing.error = writing.error or err
+            if writing.error is not None:
+                print(f"ampguard: a BackgroundSink dropped without close() could not write all its records: "
+                      f"{first_line(writing.error)}", file=sys.stderr)
+            return
+        if callable(item):  # a barrier (begin_again): every record queued before it is written
+            item()
+            continue
+        record, extra, wait = item
+        try:
+            if writing.failed is None:
+                wait()
+                writing.inner.write(record, extra)
+        except BaseException as err:  # noqa: BLE001 - handed to the writer's caller
+            writing.error = writing.failed = err
+        finally:
+            if writing.room is not None:
+                writing.room.release()
+
+
+def _dropped_unclosed(queue: Any, at_exit: Callable[[], None]) -> None:
+    """A :class:`BackgroundSink` collected unclosed (a notebook cell run again): its thread writes
+    what is queued, closes the inner sink and ends; the exit has nothing left to do for it."""
+    queue.put(_DROPPED)
+    atexit.unregister(at_exit)
 
 
 def _close_at_exit(ref: weakref.ReferenceType[BackgroundSink]) -> None:
