@@ -356,7 +356,20 @@ def visible(text: str) -> str:
 
         >>> visible("bad\x1b[2J value\x07"), visible("plain: ok")
         ('bad\\x1b[2J value\\x07', 'plain: ok')
+        >>> visible("\U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f\x07") == "\U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f\\x07"
+        True
     """
+    if not has_control(text):  # (as a whole: an emoji tag sequence, a subdivision's flag, is shown as it is)
+        return text
+    shown, last = [], 0
+    for tags in _EMOJI_TAGS.finditer(text):
+        shown += [_escaped(text[last:tags.start()]), tags.group()]
+        last = tags.end()
+    return "".join([*shown, _escaped(text[last:])])
+
+
+def _escaped(text: str) -> str:
+    """Each character of ``text`` :func:`has_control` finds, written as its escape."""
     return "".join(c.encode("unicode_escape").decode("ascii") if has_control(c) else c for c in text)
 
 

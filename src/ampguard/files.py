@@ -632,6 +632,14 @@ def replace_atomically(path: str | os.PathLike, data: bytes | str | Callable[[IO
         _let_go(folder)
 
 
+def _of_the_system(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names what the OS provides rather than a file of a run: under ``/dev`` or
+    ``/proc`` (``/dev/stdout``, ``/dev/fd/3`` of a process substitution ``>(gzip > x)``, ``/dev/null``),
+    whose links lead to ``pipe:[N]`` or a terminal, no path a walk can follow (review 55w: a sink
+    given one was "No such file or directory"). Opened as given, never made; no run folder is there."""
+    return Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",))
+
+
 def _reached(given: Path, follow_last: bool, path: str | os.PathLike) -> tuple[int | str, Path]:
     """The folder the file ``given`` lies in and the file's path, as every write of a run's file
     reaches them (:func:`replace_atomically`, :func:`open_to_append`, a checkpoint's save): walked
@@ -830,6 +838,8 @@ def open_to_append(path: str | os.PathLike, *, readable: bool = False, flags: in
         >>> shutil.rmtree(folder)
     """
     access = os.O_RDWR if readable else os.O_WRONLY
+    if _of_the_system(path):  # (no run's file: a pipe, a terminal, /dev/null, as the OS names it)
+        return os.open(path, access | os.O_APPEND | _O_CLOEXEC | flags)
     folder, target = _reached(Path(path), True, path)
     try:
         at, at_fd = _at(folder, target.name)

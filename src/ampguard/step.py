@@ -242,6 +242,8 @@ def _refuse_optimizer(scheduler: Any) -> None:
     applied twice, unsaid. An optimizer is a ``torch.optim.Optimizer`` (Accelerate's prepared
     ``AcceleratedOptimizer`` is one) or has ``param_groups`` (a Lookahead-style wrapper); no LR
     scheduler has them (Accelerate's ``AcceleratedScheduler`` neither)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):  # (a scheduler, whatever else it shows)
+        return
     if isinstance(scheduler, torch.optim.Optimizer) or hasattr(scheduler, "param_groups"):
         raise ValueError(f"scheduler= was given an optimizer ({type(scheduler).__name__}), not an LR scheduler: the "
                          "guard steps a scheduler after each applied update, so every update would be applied twice; "

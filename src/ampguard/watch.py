@@ -476,7 +476,7 @@ def _keep_running_stats(module: nn.Module, args: Any) -> None:
     if not keepers:
         _shed(module, _keep_running_stats, _KEEPING)
         return
-    if not module.training:
+    if not (module.training or _observes_in_eval(module)):
         return
     with _HOOKS_LOCK:  # (the set as it is now: another thread may be adding a keeper to it)
         keepers = list(keepers)
@@ -551,6 +551,14 @@ def _tracking_layers(modules: Sequence[nn.Module]) -> list[nn.Module]:
     return list(dict.fromkeys(m for root in modules for m in root.modules()
                               if (isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats)
                               or (isinstance(m, quantizers) and m._buffers)))
+
+
+def _observes_in_eval(layer: nn.Module) -> bool:
+    """Whether ``layer`` writes its buffers in a forward in eval mode: torch.ao's observers and
+    fake-quantizers record in ``eval()`` too (a QAT model fine-tuned with its BatchNorm frozen by
+    ``model.eval()``: review 55w, one NaN batch left it dead), a normalization layer does not. Asked
+    with gradients on (a training step's forward; an evaluation under ``no_grad`` is no step)."""
+    return not isinstance(layer, nn.modules.batchnorm._NormBase) and torch.is_grad_enabled()
 
 
 def _written(layer: nn.Module) -> Iterable[torch.Tensor | None]:
@@ -659,7 +667,7 @@ class RunningStats:
         if self._kept:  # (once a step: the micro-batches after the first look at nothing)
             return
         self.watch_again(always=look)
-        if self.layers and torch.is_grad_enabled() and any(m.training for m in self.layers):
+        if self.layers and torch.is_grad_enabled() and any(m.training or _observes_in_eval(m) for m in self.layers):
             self.keep()
 
     def keep(self) -> None:
