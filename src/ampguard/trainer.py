@@ -716,15 +716,19 @@ class Trainer:
     def _open_outputs(self, console: ConsoleSink, main: bool) -> None:
         """:meth:`_open`'s sinks, and for a resume its folder brought to the checkpoint's step."""
         resuming, say = self.resume is not None, self.say
-        # opened before the sinks, whose resume cuts the CSV back, and before the folder changes for good
-        # (config.yaml, the card): one it refuses (another user's link, review 55d) leaves the folder as it was
-        # (review 55w: opened after them, the refusal came with steps.csv cut)
-        self.events = EventLog(self.paths.events, say, append=resuming)
+        # a resume's opened before the sinks, whose resume cuts the CSV back, and before the folder changes for
+        # good (config.yaml, the card): one it refuses (another user's link, review 55d) leaves the folder as it
+        # was (review 55w: opened after them, the refusal came with steps.csv cut); a new run's after them, so a
+        # sink's refusal (a tracker's) leaves a folder with nothing of a run, taken back
+        if resuming:
+            self.events = EventLog(self.paths.events, say, append=True)
         try:
             self.sinks = build_sinks(self.config, self.paths, self.evaluator.metrics, console,
                                      keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
+        if not resuming:
+            self.events = EventLog(self.paths.events, say, append=False)
         if self.announce is not None and self.paths.dir is not None and main:
             # the run folder's line once nothing can refuse the run any more (a sink that did not
             # open): a refusal is then the console's only output besides "removed (nothing was run)",

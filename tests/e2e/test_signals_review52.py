@@ -4,6 +4,7 @@ Ctrl-C killed the process (-15); a Ctrl-C in report's matplotlib import was swal
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import time
@@ -46,17 +47,19 @@ def test_a_sigterm_once_the_code_is_settled_is_ignored():
 
 
 def test_a_ctrl_c_in_reports_matplotlib_import_stops_it(cli, monkeypatch, tmp_path):
-    import matplotlib
-
     assert cli("train", *LINEAR, "--set", "log.name=r")[0] == 0
 
-    def use(backend):  # (an import the Ctrl-C lands in; Python wraps the interrupt raised inside an import in a
-        try:           # RuntimeError, which matplotlib's `except Exception` around its 3-D import swallowed)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.2)
-        except BaseException:  # noqa: BLE001 - as swallowed there
-            pass
+    real_import = importlib.import_module
 
-    monkeypatch.setattr(matplotlib, "use", use)
+    def import_module(name, *args):  # (an import the Ctrl-C lands in; Python wraps the interrupt raised inside an
+        if name.startswith("matplotlib"):  # import in a RuntimeError, which matplotlib's `except Exception` around
+            try:                            # its 3-D import swallowed; report imports matplotlib.figure, review 55t)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+            except BaseException:  # noqa: BLE001 - as swallowed there
+                pass
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
     code, out, err = cli("report", tmp_path / "runs" / "r")
     assert code == ExitCode.INTERRUPTED, (code, out, err)
