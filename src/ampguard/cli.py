@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import math
@@ -11,7 +12,7 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -664,6 +665,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _file_size_limit_a_write_error() -> Iterator[None]:
+    """SIGXFSZ ignored while :func:`main` runs (``ulimit -f`` reached: a write error, disk full,
+    not a kill), the caller's handler back after it: a notebook or a test that calls ``main`` in
+    its process keeps its own (review 55r: left ignored for the process's life)."""
+    if not hasattr(signal, "SIGXFSZ") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGXFSZ, previous if previous is not None else signal.SIG_DFL)
+
+
 def _handled_keyboard_interrupt() -> None:
     """Tell CPython the KeyboardInterrupt was handled. When one is raised inside code that C
     extensions (torch) run through ``PyRun_*``, CPython notes it as unhandled and, at exit, kills
@@ -825,10 +841,9 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
     """
     from .signals import Interrupted, held_signals, lost_stdout, terminated_as_interrupted, tolerant_console
 
-    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # `ulimit -f` reached: a write error (disk full), not a kill
     held = _HeldWarnings()
-    with tolerant_console() as console:  # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
+    # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
+    with _file_size_limit_a_write_error(), tolerant_console() as console:
         try:
             args, extra = build_parser().parse_known_args(argv)
             if extra:  # (argparse's own line did not name the verb, as every other usage error does)
