@@ -1359,17 +1359,12 @@ def _scale_used(rows: Sequence[Row] | StepColumns, init_scale: float, restarts: 
         >>> _scale_used(rows, 2048.0, {3: 64.0})(3)  # (a resume at step 2 set scaler.init_scale 64)
         64.0
     """
-    import bisect
-
     restarts = dict(restarts or {})
-    if isinstance(rows, StepColumns):  # (a plot's columns: NaN is an empty cell)
-        steps, scales = rows.steps, rows.scaler_scale
-        return lambda step: restarts[step] if step in restarts else (
-            (None if math.isnan(scales[i - 1]) else float(scales[i - 1]))
-            if (i := int(steps.searchsorted(step))) else init_scale)
-    steps = [r.step for r in rows]
+    columns = rows if isinstance(rows, StepColumns) else StepColumns.of(rows)  # (one reading: NaN an empty cell)
+    steps, scales = columns.steps, columns.scaler_scale
     return lambda step: restarts[step] if step in restarts else (
-        rows[i - 1].scaler_scale if (i := bisect.bisect_left(steps, step)) else init_scale)
+        (None if math.isnan(scales[i - 1]) else float(scales[i - 1]))
+        if (i := int(steps.searchsorted(step))) else init_scale)
 
 
 def _a_scale(value: Any) -> bool:
