@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .build import build_monitor
 from .clipping import clip_threshold
-from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number, visible,
-                     whole_number)
+from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number,
+                     table_cell, visible, whole_number)
 from .files import DiskFull, left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
 from .fp8 import in_float8
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
@@ -705,8 +705,8 @@ it "no run card ampguard wrote ... ended: unknown")."""
 def read_card(card: Path, *, errors: str = "strict") -> tuple[str, dict[str, str]]:
     """A run card in one read: why the run ended (its bold line, ``**finished: 20 steps**``;
     ``"unknown"`` without one) and its table rows (``| key | value |``, set-up and outcome) by
-    key. A card that cannot be read raises (``OSError``; ``UnicodeDecodeError`` with
-    ``errors="strict"``).
+    key, each cell's escaped ``\\|`` (:func:`~ampguard.errors.table_cell`) read back as ``|``. A
+    card that cannot be read raises (``OSError``; ``UnicodeDecodeError`` with ``errors="strict"``).
 
     Example::
 
@@ -716,15 +716,23 @@ def read_card(card: Path, *, errors: str = "strict") -> tuple[str, dict[str, str
         ...     _ = card.write_text("# Run a\\n\\n**finished: 20 steps**\\n\\n| | |\\n|---|---|\\n| processes | 1 |\\n")
         ...     read_card(card)
         ('finished: 20 steps', {'processes': '1'})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     card = Path(d) / "RUN.md"
+        ...     _ = card.write_text("| | |\\n|---|---|\\n| held-out acc\\\\|top1 | final 0.5 |\\n| ended | a \\\\| b |\\n")
+        ...     read_card(card)[1]
+        {'held-out acc|top1': 'final 0.5', 'ended': 'a | b'}
     """
     _regular(card)
     lines = [line.strip() for line in card.read_text(encoding="utf-8", errors=errors).splitlines()]
     bold = [line[2:-2] for line in lines if line.startswith("**") and line.endswith("**")]
     rows: dict[str, str] = {}
     for line in lines:
+        # the cells' border, " | ": a `|` in a cell is written `\|` (table_cell), never after a space (a run
+        # card's module, metric or error message holding " | " lost its row here, and its value in a Markdown
+        # view, review 56d)
         cells = [c.strip() for c in line.strip("|").split(" | ")] if line.startswith("| ") else []
         if len(cells) == 2 and cells[0] and not set(cells[0]) <= set("-"):
-            rows.setdefault(cells[0], cells[1])
+            rows.setdefault(cells[0].replace("\\|", "|"), cells[1].replace("\\|", "|"))
     return (bold[0] if bold else "unknown"), rows
 
 
@@ -1440,7 +1448,10 @@ def headroom_watched(config: Config, csv_path: Path | None) -> bool:
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
-    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    """The run card's two-column table, each cell through :func:`~ampguard.errors.table_cell`: a
+    ``|`` in a module's or a metric's name, or in an error message, cut the cell in a Markdown
+    view (and :func:`read_card` lost the row), review 56d."""
+    return "\n".join(["| | |", "|---|---|", *(f"| {table_cell(k)} | {table_cell(v)} |" for k, v in rows)])
 
 
 def _final_loss(m: RunMonitor) -> str:
@@ -1913,8 +1924,8 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
                  scaler_on=result.monitor.scaler_enabled)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
         say(f"warning: could not draw {paths.plot}: {err}")
-        why = first_line(err).replace("|", "\\|")  # (a cell of the card's table)
-        write_run_card(paths.card, config, result, f"not drawn: {why} (`ampguard report` draws it)")
+        # (a `|` in it is escaped with the card's other cells, _table)
+        write_run_card(paths.card, config, result, f"not drawn: {first_line(err)} (`ampguard report` draws it)")
         return
     write_run_card(paths.card, config, result)
 

@@ -48,7 +48,8 @@ from transformers import Trainer, TrainerCallback
 
 from .. import distributed
 from ..clipping import global_l2_norm
-from ..errors import AmpguardWarning, ExitCode, InputError, counted, first_line, folder_problem, shortened, unwritable
+from ..errors import (AmpguardWarning, ExitCode, InputError, counted, first_line, folder_problem, shortened, table_cell,
+                      unwritable)
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
@@ -150,7 +151,8 @@ def run_card(summary: dict[str, Any]) -> str:
         ("files", f"`{CSV_NAME}` (one row per optimizer step), `{EVENTS_NAME}`, `{SUMMARY_NAME}`"),
     ]
     lines = ["# ampguard run card (Hugging Face Trainer)", "", "| | |", "|---|---|"]
-    return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows]) + "\n"
+    # (a `|` in a module's name or the error that ended the run escaped: it cut the cell, review 56d)
+    return "\n".join(lines + [f"| {table_cell(k)} | {table_cell(v)} |" for k, v in rows]) + "\n"
 GUARD_EXIT_CODE = int(ExitCode.GUARD)  # what `ampguard train` exits with when a guard stops a run
 
 
