@@ -476,3 +476,23 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [strict_json(v) for v in value]
     return value
+
+
+NON_FINITE_WRITTEN = {format_number(x): x for x in (math.inf, -math.inf, math.nan)}
+"""The strings :func:`strict_json` writes for the non-finite floats (``"inf"``, ``"-inf"``, ``"nan"``)."""
+
+
+def numbers_back(values: Any) -> Any:
+    """A mapping of names to numbers that went through :func:`strict_json`, each of its
+    ``"inf"``/``"-inf"``/``"nan"`` strings read back as the float (anything else, and a value
+    that is no mapping, as it is): for the fields whose values are numbers alone (a monitor's
+    last record, its held-out metrics), never a string a user named.
+
+    Example::
+
+        >>> numbers_back({"loss": "nan", "grad_l2_pre_clip": "inf", "lr": 0.1, "grad_l2_post_clip": None})
+        {'loss': nan, 'grad_l2_pre_clip': inf, 'lr': 0.1, 'grad_l2_post_clip': None}
+    """
+    if not isinstance(values, dict):
+        return values
+    return {k: NON_FINITE_WRITTEN.get(v, v) if isinstance(v, str) else v for k, v in values.items()}

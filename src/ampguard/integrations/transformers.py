@@ -54,7 +54,7 @@ from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
 from ..precision import Precision, check_scaler_settings, loss_scaler_runs, take_over_stock_scale
-from ..records import SkipLog, StepLog, StepRecord
+from ..records import SkipLog, StepLog, StepRecord, numbers_back, strict_json
 from ..signals import Interrupted, StopFlag, stop_on_signals
 from ..sinks import CsvSink, Sink, aside_taken_back, newly_lost, set_aside
 from ..step import Guard, check_settings, holds_gradients
@@ -166,6 +166,23 @@ def precision_of(args: Any) -> str:
         ('fp16', 'fp32')
     """
     return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+
+
+def _state_numbers_back(saved: Any) -> Any:
+    """An ``ampguard_state.json`` as read, the monitor's last record and held-out metrics (the two
+    fields of its state that may hold a non-finite number: a skipped step's inf gradient norm, a
+    NaN loss) with the ``"inf"``/``"-inf"``/``"nan"`` strings :func:`~ampguard.records.strict_json`
+    wrote for them read back as floats (a state written before, with ``Infinity``, reads as it did).
+
+    Example::
+
+        >>> _state_numbers_back({"guard": {}, "monitor": {"last": {"loss": "nan"}, "eval_last": {"acc": 0.5}}})
+        {'guard': {}, 'monitor': {'last': {'loss': nan}, 'eval_last': {'acc': 0.5}}}
+    """
+    monitor = saved.get("monitor") if isinstance(saved, dict) else None
+    if isinstance(monitor, dict):
+        saved["monitor"] = {**monitor, **{k: numbers_back(monitor[k]) for k in ("last", "eval_last") if k in monitor}}
+    return saved
 
 
 class AmpGuardCallback(TrainerCallback):
@@ -795,7 +812,9 @@ class AmpGuardCallback(TrainerCallback):
                 # (each replaced whole, never written through a link at its name, as train writes its own: review
                 # 55d, a link another user put in a shared out_dir had both written to root's file, or half a card
                 # left by a kill)
-                replace_atomically(self.out_dir / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+                # (strict JSON, as every file ampguard writes: a non-finite number as "inf"/"nan", review 56d)
+                replace_atomically(self.out_dir / SUMMARY_NAME,
+                                   json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
                 replace_atomically(self.out_dir / CARD_NAME, run_card(summary))
         finally:  # (a file that fails, a full disk, does not leave the sinks' runs open)
             self._end_sinks(self.exit_code, self.ended, self.out_dir if wrote else None)
@@ -1259,7 +1278,10 @@ class GuardedTrainer(Trainer):
                  # the layers autocast left in float32: a record kept with the checkpoint (not compared on a resume)
                  **({"autocast_dtypes": self.autocast_dtypes} if self.autocast_dtypes else {})}
         path = Path(output_dir) / STATE_NAME
-        replace_atomically(path, json.dumps(state, indent=1) + "\n")  # a reader never sees half a file
+        # strict JSON: a skipped step's record holds an inf gradient norm or a NaN loss, which json.dumps wrote as
+        # Infinity/NaN, what JSON.parse, polars or jq cannot read (review 56d): "inf"/"nan", read back by
+        # _load_scaler (_state_numbers_back). Replaced whole: a reader never sees half a file
+        replace_atomically(path, json.dumps(strict_json(state), indent=1, allow_nan=False) + "\n")
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if getattr(self.accelerator, "scaler", None) is not None:  # (never: Accelerate is told "no", it has none)
@@ -1271,7 +1293,7 @@ class GuardedTrainer(Trainer):
         saved = None
         if path.is_file():
             try:
-                saved = json.loads(path.read_text(encoding="utf-8"))
+                saved = _state_numbers_back(json.loads(path.read_text(encoding="utf-8")))
                 saved_step = saved["guard"]["step"]
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise InputError(f"{path}: not an ampguard state: {first_line(err, with_type=True)}") from None
