@@ -15,6 +15,7 @@ import math
 import struct
 import sys
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -248,6 +249,13 @@ class _HandedOver:
     a kept ``scaler.update()`` ended in PyTorch's bare "No inf checks were recorded"). A module-level
     class on the instance: a guard holding the scaler still pickles and copies.
 
+    Only while the guard's scaler lives: it holds it weakly, and once the guard (and with it its
+    ``GuardedGradScaler``) is collected, :func:`_hand_back` takes these off the instance, which is
+    a plain ``GradScaler`` again, at the guard's scale (review 56d: a loop that went back to the
+    plain recipe in the same process was refused for good, by a message naming a guard that no
+    longer existed). While the guard lives, a plain loop goes on from a new ``GradScaler`` that
+    loads this one's ``state_dict()``, as the message says.
+
     Example::
 
         >>> plain = torch.amp.GradScaler("cpu", init_scale=4.0)
@@ -255,27 +263,66 @@ class _HandedOver:
         >>> plain.scale(torch.ones(()))
         Traceback (most recent call last):
         ...
-        RuntimeError: scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss itself (kept, the loss is scaled twice and the gradients come out scale times too large); give guard.backward the loss as it is
+        RuntimeError: scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss itself (kept, the loss is scaled twice and the gradients come out scale times too large); give guard.backward the loss as it is (to go back to the plain loop while the guard lives, make a new GradScaler and load_state_dict(this one's state_dict()); once the guard is collected this one is plain again)
+        >>> del guarded; plain.scale(torch.ones(()))  # (the guard gone: plain again)
+        tensor(4.)
     """
 
     METHODS = ("load_state_dict", "scale", "update")
+    _BACK = ("to go back to the plain loop while the guard lives, make a new GradScaler and "
+             "load_state_dict(this one's state_dict()); once the guard is collected this one is plain again")
     _FIXES = {
         "scale": ("scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss "
                   "itself (kept, the loss is scaled twice and the gradients come out scale times too large); give "
-                  "guard.backward the loss as it is"),
+                  f"guard.backward the loss as it is ({_BACK})"),
         "update": ("scaler.update() on the GradScaler handed to the Guard: guard.step() updates the scale itself, "
-                   "every step; remove it from the loop"),
+                   f"every step; remove it from the loop ({_BACK})"),
     }
 
     def __init__(self, guarded: GuardedGradScaler, twin: torch.amp.GradScaler, name: str) -> None:
-        self.guarded, self.twin, self.name = guarded, twin, name
+        # (weakly: the plain scaler, which the user keeps, must not keep the guard's scaler alive)
+        self._guarded, self.twin, self.name = weakref.ref(guarded), twin, name
+
+    @property
+    def guarded(self) -> GuardedGradScaler | None:
+        """The guard's scaler this one was handed to; None once it is collected."""
+        return self._guarded()
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (a weak reference does not pickle: the copy's own scaler)
+        return type(self), (self.guarded, self.twin, self.name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.name != "load_state_dict":
-            raise RuntimeError(self._FIXES[self.name])
-        self.guarded.load_state_dict(*args, **kwargs)  # first: a state it refuses changes neither (they share tensors)
+        if self.name != "load_state_dict" and self.guarded is not None:  # (the guard's scaler held in no local:
+            raise RuntimeError(self._FIXES[self.name])  # the traceback a notebook keeps does not keep it alive)
+        guarded = self.guarded
+        if guarded is None:  # (collected, its _hand_back not run yet: the plain method)
+            return getattr(type(self.twin), self.name)(self.twin, *args, **kwargs)
+        guarded.load_state_dict(*args, **kwargs)  # first: a state it refuses changes neither (they share tensors)
         type(self.twin).load_state_dict(self.twin, *args, **kwargs)
         return None
+
+
+def _hand_back(scaler: torch.amp.GradScaler) -> None:
+    """The plain ``scaler`` handed to a guard (:meth:`GuardedGradScaler.from_scaler`) made plain
+    again once the guard's scaler is collected: the methods set on the instance
+    (:class:`_HandedOver`) taken off, each only while it is still that guard's (one whose guard's
+    scaler is gone), so the class's own run again. Its scale and growth tracker are the tensors it
+    shared with the guard: the plain loop goes on from the guard's scale.
+
+    Example::
+
+        >>> plain = torch.amp.GradScaler("cpu")
+        >>> guarded = GuardedGradScaler.from_scaler(plain)
+        >>> sorted(vars(plain).keys() & set(_HandedOver.METHODS))
+        ['load_state_dict', 'scale', 'update']
+        >>> del guarded
+        >>> sorted(vars(plain).keys() & set(_HandedOver.METHODS))
+        []
+    """
+    for name in _HandedOver.METHODS:
+        handed = vars(scaler).get(name)
+        if isinstance(handed, _HandedOver) and handed.guarded is None:
+            delattr(scaler, name)
 
 
 def _non_finite_flags(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
@@ -376,6 +423,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_found_off", {})  # (a scaler pickled before the flags were kept)
+        if self.__dict__.get("_twin") is not None:  # (a copy's plain scaler is handed back when the copy goes)
+            weakref.finalize(self, _hand_back, self._twin).atexit = False
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         """``GradScaler``'s, and the plain scaler this one took over then holds the same scale and
@@ -396,7 +445,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
         does itself, raise (:class:`_HandedOver`). A scaler handed over before gives the same
         ``GuardedGradScaler`` again: two guards given one plain scaler share one scale, as they
         do given one ``GuardedGradScaler`` (a second one made its own scale, and the plain
-        scaler followed only the last guard's).
+        scaler followed only the last guard's). Once every guard holding it is collected, the
+        plain scaler is plain again (:func:`_hand_back`), at the scale they left it.
 
         Example::
 
@@ -413,8 +463,9 @@ class GuardedGradScaler(torch.amp.GradScaler):
             True
         """
         handed = vars(scaler).get("scale")
-        if isinstance(handed, _HandedOver):  # (handed to a guard before: one scale, as the recipe's one scaler)
-            return handed.guarded
+        before = handed.guarded if isinstance(handed, _HandedOver) else None  # (None: its guard collected)
+        if before is not None:  # (handed to a guard before: one scale, as the recipe's one scaler)
+            return before
         if not scaler.is_enabled():  # (a disabled GradScaler keeps no settings: an AttributeError otherwise)
             return cls(scaler._device, enabled=False, min_scale=min_scale)
         guarded = cls(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler.get_growth_factor(),
@@ -426,6 +477,8 @@ class GuardedGradScaler(torch.amp.GradScaler):
         guarded._twin = scaler
         for name in _HandedOver.METHODS:  # (its own methods, on this instance only: the class is torch's)
             setattr(scaler, name, _HandedOver(guarded, scaler, name))
+        # plain again once the guard is gone (review 56d); the guard's scaler holds it, so it never outlives that
+        weakref.finalize(guarded, _hand_back, scaler).atexit = False
         return guarded
 
     def get_min_scale(self) -> float:
