@@ -34,6 +34,11 @@ FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")  # (8 digits, more from step 10**8 on)
 _PARTIAL = re.compile(r"^\.step-\d{8,}\.pt\.tmp-(\d+)(?:-[0-9a-f]+)?$")  # (.NAME.tmp-PID-RANDOM; older: .tmp-PID)
 REQUIRED = ("magic", "format", "step", "config", "model", "optimizer", "state", "scheduler", "rng", "data_position")
+NOT_OURS = ("not an ampguard checkpoint (a plain PyTorch state_dict? load it into the model in your "
+            "task.factory's build)")
+"""What :func:`load_checkpoint` says of a file that is no ampguard checkpoint, with the way on for
+the likeliest one, a plain loop's weights: ``--resume``, ``validate`` and ``locate --checkpoint``
+take ampguard's own alone, a factory's ``build`` loads any (README "Checkpoints and resume")."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -334,7 +339,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         ...         load_checkpoint(folder / name)
         ...     except InputError as err:
         ...         print(str(err).replace(str(folder), "DIR"))
-        DIR/foreign.pt: not an ampguard checkpoint
+        DIR/foreign.pt: not an ampguard checkpoint (a plain PyTorch state_dict? load it into the model in your task.factory's build)
         DIR/partial.pt: incomplete ampguard checkpoint (missing config, optimizer, state, scheduler, rng, data_position)
         >>> complete = {key: {} for key in REQUIRED if key not in ("magic", "format")}
         >>> load_checkpoint(save_checkpoint(folder / "whole.pt", {**complete, "step": 1}))["step"]
@@ -348,7 +353,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     # and no InputError, so a run folder's resume died there instead of trying the older checkpoint
     # (a magic of a tensor was refused only because Tensor != str happens to be True; True == 1)
     if not isinstance(payload, dict) or not _exactly(payload.get("magic"), MAGIC):
-        raise InputError(f"{path}: not an ampguard checkpoint")
+        # (review 56d: a plain loop's model.state_dict() met this line with no way forward)
+        raise InputError(f"{path}: {NOT_OURS}")
     if not _exactly(payload.get("format"), FORMAT):
         # (brief: a container by its kind; its repr could recurse past the limit)
         raise InputError(f"{path}: checkpoint format {brief(payload.get('format'))}, this ampguard reads {FORMAT}")

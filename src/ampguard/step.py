@@ -2102,18 +2102,25 @@ def _check_state(state: Any) -> None:
 
     Example::
 
-        >>> _check_state({"step": 3, "updates": 4, "scaler": {}})
+        >>> _check_state({"step": 3, "updates": 4, "scaler": {}, "precision": "fp16", "accumulation_steps": 1})
         Traceback (most recent call last):
         ...
         ValueError: Guard.load_state_dict(): step 3 and updates 4 must be whole numbers, updates <= step
+        >>> _check_state({"step": 3, "updates": 3, "scaler": {}})  # (one built by hand)
+        Traceback (most recent call last):
+        ...
+        ValueError: Guard.load_state_dict(): the state has no precision, accumulation_steps (its keys: scaler, step, updates): not what Guard.state_dict() returned; a plain GradScaler's state goes to guard.scaler.load_state_dict(), or hand the GradScaler itself over as Guard(scaler=...)
     """
     if not isinstance(state, Mapping):
         raise ValueError(f"Guard.load_state_dict() takes what state_dict() returned (a dict), got a "
                          f"{type(state).__name__}")
-    missing = [key for key in ("step", "updates", "scaler") if key not in state]
+    # (review 56d: a state built by hand without its precision was refused as "saved with precision=None")
+    missing = [key for key in ("step", "updates", "scaler", "precision", "accumulation_steps") if key not in state]
     if missing:
         raise ValueError(f"Guard.load_state_dict(): the state has no {', '.join(missing)} (its keys: "
-                         f"{', '.join(map(str, sorted(state, key=str)))}): not what Guard.state_dict() returned")
+                         f"{', '.join(map(str, sorted(state, key=str)))}): not what Guard.state_dict() returned; a "
+                         "plain GradScaler's state goes to guard.scaler.load_state_dict(), or hand the GradScaler "
+                         "itself over as Guard(scaler=...)")
     step, updates = state["step"], state["updates"]
     if not (whole_number(step) and whole_number(updates) and updates <= step):
         raise ValueError(f"Guard.load_state_dict(): step {step!r} and updates {updates!r} must be whole numbers, "

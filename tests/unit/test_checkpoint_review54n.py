@@ -36,7 +36,8 @@ def test_a_format_that_is_not_the_int_1_is_refused_on_one_line(tmp_path, value, 
 @pytest.mark.parametrize("value", [torch.tensor([1, 2]), torch.tensor(1), ["ampguard-checkpoint"]])
 def test_a_magic_that_is_not_the_text_is_not_an_ampguard_checkpoint(tmp_path, value):
     path = saved(tmp_path, magic=value)
-    with pytest.raises(InputError, match="not an ampguard checkpoint$"):
+    with pytest.raises(InputError, match=r"not an ampguard checkpoint \(a plain PyTorch state_dict\? load it into the "
+                                         r"model in your task\.factory's build\)$"):
         ckpt.load_checkpoint(path)
 
 
