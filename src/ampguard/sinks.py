@@ -20,6 +20,7 @@ import os
 import stat
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import Counter
@@ -1896,7 +1897,8 @@ class BackgroundSink:
     closes its sinks; and at the interpreter's exit, for a sink nobody closed: a loop that
     crashed), so every row written so far reaches the file. A sink nobody closed that nothing
     refers to any more (a notebook cell that made one, run again) is collected: its thread writes
-    what is queued, closes ``inner`` and ends (an error left is one line on stderr). An error in the thread is raised by
+    what is queued, closes ``inner`` and ends (an error left is one line on stderr), the exit
+    waiting for it (:data:`DRAIN_AT_EXIT_S` at most). An error in the thread is raised by
     the next ``write`` or by ``close``, and no record after the one that failed is written (a CSV
     never has a hole): every later ``write`` is refused, naming it. A write after ``close`` is
     refused too. A SIGKILL loses the records still queued (at most ``max_pending``; a
@@ -1935,7 +1937,7 @@ class BackgroundSink:
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
         # (SimpleQueue.put is reentrant: safe from a finalizer whatever the thread that collects the sink holds)
-        self._finalizer = weakref.finalize(self, _dropped_unclosed, self._writing.queue, self._at_exit)
+        self._finalizer = weakref.finalize(self, _dropped_unclosed, self._writing, self._thread, self._at_exit)
         self._finalizer.atexit = False  # (at exit, _close_at_exit drains and closes, waiting for the thread)
 
     @property
@@ -1975,6 +1977,7 @@ class BackgroundSink:
             self.inner.check(record, extra)
         if self._writing.room is not None:
             self._writing.room.acquire()
+        self._writing.queued += 1
         self._writing.queue.put((record, extra, record.prefetch()))
 
     def begin_again(self, step: int) -> str | None:
@@ -2013,14 +2016,16 @@ what is queued before it, closes the inner sink and ends."""
 class _Writing:
     """A :class:`BackgroundSink`'s writer thread's state: the inner sink, the queue, the room left
     in it (``max_pending``; None: no bound), the error not raised yet and the one that stopped the
-    writing. The thread holds this, not the sink."""
+    writing, the records queued and those the inner sink took (what an exit that could not wait
+    says lost). The thread holds this, not the sink."""
 
-    __slots__ = ("inner", "queue", "room", "error", "failed")
+    __slots__ = ("inner", "queue", "room", "error", "failed", "queued", "written")
 
     def __init__(self, inner: Sink, queue: Any, room: threading.Semaphore | None) -> None:
         self.inner, self.queue, self.room = inner, queue, room
         self.error: BaseException | None = None
         self.failed: BaseException | None = None
+        self.queued = self.written = 0  # (each counted by one thread only: the writer's caller, the writer)
 
 
 def _write_in_background(writing: _Writing) -> None:
@@ -2039,6 +2044,7 @@ def _write_in_background(writing: _Writing) -> None:
             if writing.error is not None:
                 print(f"ampguard: a BackgroundSink dropped without close() could not write all its records: "
                       f"{first_line(writing.error)}", file=sys.stderr)
+            _DRAINING.pop(threading.current_thread(), None)  # (all written: the exit need not wait for it)
             return
         if callable(item):  # a barrier (begin_again): every record queued before it is written
             item()
@@ -2048,6 +2054,7 @@ def _write_in_background(writing: _Writing) -> None:
             if writing.failed is None:
                 wait()
                 writing.inner.write(record, extra)
+                writing.written += 1
         except BaseException as err:  # noqa: BLE001 - handed to the writer's caller
             writing.error = writing.failed = err
         finally:
@@ -2055,11 +2062,43 @@ def _write_in_background(writing: _Writing) -> None:
                 writing.room.release()
 
 
-def _dropped_unclosed(queue: Any, at_exit: Callable[[], None]) -> None:
-    """A :class:`BackgroundSink` collected unclosed (a notebook cell run again): its thread writes
-    what is queued, closes the inner sink and ends; the exit has nothing left to do for it."""
-    queue.put(_DROPPED)
+DRAIN_AT_EXIT_S = 30.0
+"""How long the interpreter's exit waits, all together, for the writer threads of background
+sinks dropped unclosed that are still writing what was queued (an inner sink that stalled, a hung
+network disk, must not hang the exit for good: what is left is said lost, one line a sink)."""
+
+_DRAINING: dict[threading.Thread, _Writing] = {}
+"""The writer threads of sinks dropped unclosed that have not written all they were given yet
+(each takes itself out once it has): daemon threads, which the exit would stop mid-queue (a loop
+that crashed and whose caller returned at once lost up to ``max_pending`` rows: review 56a), so
+:func:`_join_draining` waits for them. Only while they write: a notebook keeps nothing of them."""
+
+
+def _dropped_unclosed(writing: _Writing, thread: threading.Thread, at_exit: Callable[[], None]) -> None:
+    """A :class:`BackgroundSink` collected unclosed (a notebook cell run again, a loop that crashed):
+    its thread writes what is queued, closes the inner sink and ends; the exit waits for it
+    (:func:`_join_draining`) instead of closing the sink."""
+    if thread.is_alive():  # (before the mark: the thread takes itself out once it has passed it)
+        _DRAINING[thread] = writing
+    writing.queue.put(_DROPPED)
     atexit.unregister(at_exit)
+
+
+@atexit.register  # (at import: run after every sink's own at-exit close, registered later)
+def _join_draining() -> None:
+    """At the interpreter's exit, the threads of sinks dropped unclosed write what they were given
+    (:data:`_DRAINING`), for :data:`DRAIN_AT_EXIT_S` at most all together; a sink whose thread is
+    still writing then is said, once, with the records it loses."""
+    deadline = time.monotonic() + DRAIN_AT_EXIT_S
+    for thread, state in list(_DRAINING.items()):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if thread.is_alive() and _DRAINING.pop(thread, None) is not None:
+            inner = state.inner
+            named = type(inner).__name__ + (f" {shown(inner.path)}" if isinstance(getattr(inner, "path", None), Path)
+                                            else "")
+            print(f"ampguard: a BackgroundSink dropped without close() was still writing at exit after "
+                  f"{DRAIN_AT_EXIT_S:g} s (its {named} stalled: a hung disk?): it loses its last "
+                  f"{counted(state.queued - state.written, 'record')}", file=sys.stderr)
 
 
 def _close_at_exit(ref: weakref.ReferenceType[BackgroundSink]) -> None:
