@@ -1975,10 +1975,11 @@ class BackgroundSink:
                              "is written to it")
         if isinstance(self.inner, CsvSink):
             self.inner.check(record, extra)
+        wait = record.prefetch()  # (first: one that raises, a Ctrl-C in the copy's set-up, holds no room)
         if self._writing.room is not None:
             self._writing.room.acquire()
         self._writing.queued += 1
-        self._writing.queue.put((record, extra, record.prefetch()))
+        self._writing.queue.put((record, extra, wait))
 
     def begin_again(self, step: int) -> str | None:
         """The loop began again from ``step`` (a Hugging Face ``auto_find_batch_size`` retry): the

@@ -1,7 +1,8 @@
 """Review 56a: a ``BackgroundSink`` dropped unclosed (F1) had its at-exit close cancelled by its
 finalizer, and its daemon thread was stopped by the exit mid-queue: a loop that crashed and whose
 caller then ended lost up to ``max_pending`` rows. The exit waits for such a thread now (a bounded
-time: a stalled inner sink is said, with what it loses)."""
+time: a stalled inner sink is said, with what it loses). F2: a ``write`` whose record's
+``prefetch()`` raised kept its room in the queue for good (``max_pending=1``: the next one hung)."""
 
 from __future__ import annotations
 
@@ -98,4 +99,29 @@ def test_a_dropped_sinks_thread_is_let_go_once_it_wrote_its_queue(tmp_path):
     gc.collect()
     thread.join(timeout=30)
     assert not thread.is_alive() and thread not in sinks._DRAINING  # (a notebook keeps nothing of it)
+    assert [row["step"] for row in read_rows(tmp_path / "steps.csv")] == ["1"]
+
+
+class _Interrupted(StepLog):
+    __slots__ = ()
+
+    def prefetch(self):
+        raise KeyboardInterrupt  # (a Ctrl-C landing in the copy's set-up)
+
+
+def test_a_write_whose_prefetch_raised_leaves_its_room_in_the_queue(tmp_path):
+    bg = BackgroundSink(CsvSink(tmp_path / "steps.csv"), max_pending=1)
+    try:
+        bg.write(_Interrupted(1, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0))
+    except KeyboardInterrupt:
+        pass
+    returned = threading.Event()
+
+    def write_next() -> None:
+        bg.write(_record(1))
+        returned.set()
+
+    threading.Thread(target=write_next, daemon=True).start()
+    assert returned.wait(timeout=10), "the next write waits for room a raised prefetch kept"
+    bg.close()
     assert [row["step"] for row in read_rows(tmp_path / "steps.csv")] == ["1"]
