@@ -135,6 +135,37 @@ def _mark_finished(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
         STEPPING.finished = optimizer
 
 
+def _code_of(hook: Any) -> Any:
+    """The code a hook runs as (its frame's in a traceback): a function's or method's, through
+    ``functools.wraps`` layers, a ``functools.partial`` (nested too) and a callable object's
+    ``__call__`` (review 56a: those two had none, and a pre-hook of theirs that refused was said to
+    leave an update "maybe partly applied"); None for one that runs no Python code of its own.
+
+    Example::
+
+        >>> class Refuser:
+        ...     def __call__(self, optimizer, args, kwargs): ...
+        >>> _code_of(functools.partial(Refuser())) is Refuser.__call__.__code__
+        True
+    """
+    for _ in range(8):  # (a few layers deep: a partial of a bound method of a wrapped function)
+        try:
+            hook = inspect.unwrap(hook)
+        except ValueError:  # (a __wrapped__ cycle)
+            return None
+        if isinstance(hook, functools.partial):
+            hook = hook.func
+        elif hasattr(hook, "__func__"):  # (a bound method)
+            hook = hook.__func__
+        elif (code := getattr(hook, "__code__", None)) is not None:
+            return code
+        else:
+            hook = getattr(type(hook), "__call__", None)
+            if hook is None:
+                return None
+    return None
+
+
 def began_update(optimizer: torch.optim.Optimizer, err: BaseException) -> bool:
     """Whether ``optimizer.step()``, which raised ``err`` before it finished, may have begun its
     update: False only where that is certain, ``err`` raised by one of its step pre-hooks (torch's
@@ -147,7 +178,7 @@ def began_update(optimizer: torch.optim.Optimizer, err: BaseException) -> bool:
 
     hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
              *getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()]
-    codes = {code for hook in hooks if (code := getattr(getattr(hook, "__func__", hook), "__code__", None))}
+    codes = {code for hook in hooks if (code := _code_of(hook)) is not None}
     body = getattr(inspect.unwrap(getattr(type(optimizer), "step", None)), "__code__", None)
     in_hook = False
     tb = err.__traceback__
