@@ -240,11 +240,14 @@ def _refuse_optimizer(scheduler: Any) -> None:
     """Refuse an optimizer given as a scheduler (review 55l): the guard "steps the scheduler" after
     each applied update, so it was ``optimizer.step()`` again on the same gradients, every update
     applied twice, unsaid. An optimizer is a ``torch.optim.Optimizer`` (Accelerate's prepared
-    ``AcceleratedOptimizer`` is one) or has ``param_groups`` (a Lookahead-style wrapper); no LR
-    scheduler has them (Accelerate's ``AcceleratedScheduler`` neither)."""
+    ``AcceleratedOptimizer`` is one) or has ``param_groups`` and a ``zero_grad()`` (a
+    Lookahead-style wrapper); no LR scheduler has a ``zero_grad`` (Accelerate's
+    ``AcceleratedScheduler`` neither), though one of the user's may show its optimizer's
+    ``param_groups`` (review 56a: it was refused)."""
     if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):  # (a scheduler, whatever else it shows)
         return
-    if isinstance(scheduler, torch.optim.Optimizer) or hasattr(scheduler, "param_groups"):
+    if isinstance(scheduler, torch.optim.Optimizer) or (
+            hasattr(scheduler, "param_groups") and callable(getattr(scheduler, "zero_grad", None))):
         raise ValueError(f"scheduler= was given an optimizer ({type(scheduler).__name__}), not an LR scheduler: the "
                          "guard steps a scheduler after each applied update, so every update would be applied twice; "
                          "pass the optimizer's LR scheduler (torch.optim.lr_scheduler.OneCycleLR(optimizer, ...)), "

@@ -1,5 +1,6 @@
 """Review 56a: a step pre-hook that is a callable object or a ``functools.partial`` and refused
-was said to leave the update "maybe partly applied" (F3)."""
+was said to leave the update "maybe partly applied" (F3); a scheduler of the user's showing its
+optimizer's ``param_groups`` was refused as an optimizer (F4)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,47 @@ def test_a_pre_hook_of_any_callable_shape_that_refused_is_said_to_have_applied_n
     note = raised.value.__notes__[0]
     assert "(nothing was applied)" in note and "partly applied" not in note
     assert torch.equal(before, model.weight) and guard.updates == 0
+
+
+class _ParamGroupsView:
+    """A scheduler of the user's (no ``LRScheduler``) with a convenience ``param_groups``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    def step(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] *= 0.5
+
+
+def _steps(model: nn.Module, guard: Guard, n: int) -> None:
+    for _ in range(n):
+        with guard.autocast():
+            loss = ((model(X) - Y) ** 2).mean()
+        guard.backward(loss)
+        guard.step()
+
+
+def test_a_scheduler_showing_param_groups_is_taken_and_an_optimizer_wrapper_still_refused():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt, precision="bf16", scheduler=_ParamGroupsView(opt))
+    _steps(model, guard, 2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+    class Lookahead:  # (an optimizer wrapper: param_groups and zero_grad, no torch.optim.Optimizer)
+        def __init__(self, inner):
+            self.optimizer, self.param_groups = inner, inner.param_groups
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+        def zero_grad(self, set_to_none=True):
+            self.optimizer.zero_grad(set_to_none)
+
+    with pytest.raises(ValueError, match=r"^scheduler= was given an optimizer \(Lookahead\)"):
+        Guard(model, opt, precision="bf16", scheduler=Lookahead(opt))
