@@ -254,6 +254,31 @@ def _refuse_optimizer(scheduler: Any) -> None:
                          "or no scheduler=")
 
 
+def _needs_arguments(scheduler: Any) -> str:
+    """The arguments ``scheduler.step()`` cannot go without, named (``''``: none, or none can be
+    told: a step of C with no signature).
+
+    Example::
+
+        >>> class Timm:
+        ...     def step(self, epoch, metric=None): ...
+        >>> _needs_arguments(Timm()), _needs_arguments(torch.optim.lr_scheduler.LambdaLR(
+        ...     torch.optim.SGD([nn.Parameter(torch.zeros(1))]), lambda n: 1.0))
+        ("'epoch'", '')
+    """
+    try:
+        signature = inspect.signature(scheduler.step)
+    except (TypeError, ValueError):
+        return ""
+    try:
+        signature.bind()
+    except TypeError:
+        return ", ".join(repr(name) for name, param in signature.parameters.items()
+                         if param.default is param.empty and param.kind not in (param.VAR_POSITIONAL,
+                                                                               param.VAR_KEYWORD))
+    return ""
+
+
 def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
     """Which optimizer each scheduler drives: a dict by name, else by the scheduler's own
     ``.optimizer`` (any scheduler object, when there is one optimizer)."""
@@ -289,6 +314,11 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
         if isinstance(_inner_scheduler(sched), torch.optim.lr_scheduler.ReduceLROnPlateau):  # (prepared too)
             raise ValueError("ReduceLROnPlateau steps on a metric the guard does not have: step it yourself, after "
                              "your evaluation (the guard steps only schedulers that take no argument)")
+        if (needed := _needs_arguments(sched)):  # (timm's step(epoch): the first step raised, its update applied)
+            raise ValueError(f"scheduler {type(sched).__name__}: its step() needs an argument ({needed}) and the "
+                             "guard calls step() with none after each applied update; pass a scheduler stepped "
+                             "per update with no argument (a torch LambdaLR, say), or no scheduler= and step yours "
+                             "after guard.step() (timm: scheduler.step_update(guard.updates))")
     scheds = [id(sched) for scheds in out.values() for sched in scheds]
     if len(scheds) != len(set(scheds)):
         raise ValueError("the same scheduler is given twice: it would step twice per update")

@@ -1,6 +1,7 @@
 """Review 56a: a step pre-hook that is a callable object or a ``functools.partial`` and refused
 was said to leave the update "maybe partly applied" (F3); a scheduler of the user's showing its
-optimizer's ``param_groups`` was refused as an optimizer (F4)."""
+optimizer's ``param_groups`` was refused as an optimizer (F4); a timm-shaped scheduler, whose
+``step(epoch)`` needs its epoch, was taken and broke the first step after its update (F5)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,41 @@ def test_a_scheduler_showing_param_groups_is_taken_and_an_optimizer_wrapper_stil
 
     with pytest.raises(ValueError, match=r"^scheduler= was given an optimizer \(Lookahead\)"):
         Guard(model, opt, precision="bf16", scheduler=Lookahead(opt))
+
+
+class _TimmLike:
+    """timm's ``Scheduler`` shape: ``step(epoch, metric=None)``, ``step_update(num_updates)``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, epoch, metric=None) -> None:
+        pass
+
+    def step_update(self, num_updates, metric=None) -> None:
+        pass
+
+
+def test_a_scheduler_whose_step_needs_an_argument_is_refused_at_guard_in_one_line():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for given in (_TimmLike(opt), [_TimmLike(opt)], {"optimizer": _TimmLike(opt)}):
+        with pytest.raises(ValueError) as refused:
+            Guard(model, opt, precision="bf16", scheduler=given)
+        assert str(refused.value) == (
+            "scheduler _TimmLike: its step() needs an argument ('epoch') and the guard calls step() with none "
+            "after each applied update; pass a scheduler stepped per update with no argument (a torch "
+            "LambdaLR, say), or no scheduler= and step yours after guard.step() (timm: "
+            "scheduler.step_update(guard.updates))")
+
+    class Optional:  # (an argument it does not need: taken)
+        def __init__(self, optimizer):
+            self.optimizer, self.calls = optimizer, 0
+
+        def step(self, epoch=None, *args, **kwargs):
+            self.calls += 1
+
+    taken = Optional(opt)
+    guard = Guard(model, opt, precision="bf16", scheduler=taken)
+    _steps(model, guard, 2)
+    assert taken.calls == 2
