@@ -852,8 +852,9 @@ def console_width(text: str, encoding: str | None = None) -> int:
 @contextmanager
 def tolerant_console() -> Iterator[TolerantStream]:
     """``sys.stdout`` and ``sys.stderr`` as :class:`TolerantStream` for the block (stdout's
-    encoding errors as :func:`_console_errors` says), then as they were, stdout flushed through
-    its guard first (a block-buffered stdout fails at its flush). Yields stdout's.
+    encoding errors as :func:`_console_errors` says, and stdout written a line at a time:
+    :func:`_a_line_at_a_time`), then as they were, stdout flushed through its guard first (a
+    block-buffered stdout fails at its flush). Yields stdout's.
 
     Example::
 
@@ -870,6 +871,7 @@ def tolerant_console() -> Iterator[TolerantStream]:
     strict = getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure")
     if strict:
         out.reconfigure(errors="ampguard.console")
+    lined = _a_line_at_a_time(out)
     console = TolerantStream(out, "stdout")
     sys.stdout, sys.stderr = console, TolerantStream(err, "stderr")
     try:
@@ -882,3 +884,35 @@ def tolerant_console() -> Iterator[TolerantStream]:
         if strict:
             with contextlib.suppress(OSError, ValueError):  # (a closed stream)
                 out.reconfigure(errors="strict")
+        if lined:
+            with contextlib.suppress(OSError, ValueError):
+                out.reconfigure(line_buffering=False)
+
+
+def _a_line_at_a_time(out: Any) -> bool:
+    """Make ``out`` (stdout) line-buffered, as it is on a terminal, and say whether it was not
+    (the caller puts it back). Python block-buffers a stdout that is not a terminal (a log file,
+    ``nohup``, a pipe, a CI log) 8 KiB at a time: a run's lines reached ``tail -f`` thousands of
+    steps late, after stderr's lines in a ``2>&1`` log, not at all when the run was killed, and
+    ``ampguard train | head -3`` trained on until 8 KiB were due (review 56b). A line is written
+    every ``log.every`` steps at most (and each skip): its flush is no cost to the run. A stream
+    that cannot be made so (a notebook's, a ``StringIO``) is left as it is.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as file:
+        ...     out = io.TextIOWrapper(file, encoding="utf-8")  # (block-buffered, as stdout into a file)
+        ...     changed, _ = _a_line_at_a_time(out), out.write("STEP 1\\n")
+        ...     written = os.pread(file.fileno(), 100, 0)
+        ...     out.reconfigure(line_buffering=False)
+        >>> changed, written, _a_line_at_a_time(io.StringIO())
+        (True, b'STEP 1\\n', False)
+    """
+    if getattr(out, "line_buffering", True) or not hasattr(out, "reconfigure"):
+        return False
+    try:
+        out.reconfigure(line_buffering=True)  # (which flushes what the caller left in it)
+    except (OSError, ValueError):  # (a stream closed, or one whose flush fails: the guard says so at its write)
+        return False
+    return True

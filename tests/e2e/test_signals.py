@@ -20,10 +20,13 @@ HERE = Path(__file__).resolve().parent
 LINEAR = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "eval.enabled=false", "--set", "log.plot=false"]
 
 
-def _spawn(cwd: Path, *argv: str, fresh: bool = False) -> subprocess.Popen | warm.Popen:
+def _spawn(cwd: Path, *argv: str, fresh: bool = False, buffered: bool = False) -> subprocess.Popen | warm.Popen:
     """``python ARGV`` in ``cwd``, its output piped: forked warm (tests/warm.py), or a fresh interpreter
-    (``fresh``: a signal during its start-up's import of torch)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    (``fresh``: a signal during its start-up's import of torch). Unbuffered, unless ``buffered``: Python's
+    streams as a shell, ``nohup`` or CI gives them, stdout into a pipe block-buffered (review 56b: the
+    tests' ``PYTHONUNBUFFERED=1`` hid that ``train | true`` trained on until 8 KiB of lines were due)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} if buffered else \
+        {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = subprocess.Popen if fresh else warm.Popen
     return start([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -154,10 +157,10 @@ def fired(request, tmp_path_factory):
             cwd = tmp_path_factory.mktemp("reader-leaves")
             started["reader-leaves"] = (_spawn(cwd, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000",
                                                "--set", "log.name=t", "--set", "log.every=1",
-                                               "--set", "checkpoint.every=0"), cwd)
+                                               "--set", "checkpoint.every=0", buffered=True), cwd)
         cwd = tmp_path_factory.mktemp("reader-gone")
         proc = _spawn(cwd, "-m", "ampguard", "train", *LINEAR, "--set", "steps=100000", "--set", "log.name=t",
-                      "--set", "checkpoint.every=0")
+                      "--set", "checkpoint.every=0", buffered=True)
         proc.stdout.close()
         started["reader-gone"] = (proc, cwd)
         cwd = tmp_path_factory.mktemp("verb-reader-left")
@@ -297,7 +300,8 @@ def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(fired)
     """`ampguard train | head -2`: stdout's reader leaves. To a Unix tool that is SIGPIPE; the run
     ended with exit 0 and a half-written folder (no run card, no checkpoint: --resume found
     nothing). Now it is a stop signal: the step boundary, the checkpoint, the card, exit 141.
-    (Its run is started with :func:`fired`'s, their torch imports overlapping.)"""
+    (Its run is started with :func:`fired`'s, their torch imports overlapping; its stdout
+    block-buffered, as a shell's pipe is: the first line is read as it is printed.)"""
     proc, cwd = fired["reader-leaves"]
     run = cwd / "runs" / "t"
     assert proc.stdout.readline().startswith("run folder: ")
@@ -310,7 +314,9 @@ def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(fired)
 def test_a_reader_gone_before_the_run_began_stops_it_at_its_first_step(fired):
     """`ampguard train | true`: the reader is gone before the run's first line (its folder), so
     before the loop armed its stop flag: the run trained to its end and exited 0. It stops
-    after its first step, whole, with exit 141."""
+    after its first step, whole, with exit 141. Its stdout is block-buffered, as a shell's pipe
+    is (review 56b: with no ``PYTHONUNBUFFERED`` the first line waited in the buffer, and the run
+    trained on until 8 KiB of lines were due: it is line-buffered while a verb runs)."""
     proc, cwd = fired["reader-gone"]
     run = cwd / "runs" / "t"
     err = proc.stderr.read()
