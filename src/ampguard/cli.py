@@ -719,7 +719,9 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     with a source line (``quiet``: none, the other ampguard warnings still one line each). Other
     warnings are shown as Python shows them. Under torchrun only rank 0 shows ampguard's (every
     rank runs the same config on the same global stream, so each said it once per rank), as
-    Lightning's ``rank_zero_warn``; errors are every rank's own.
+    Lightning's ``rank_zero_warn``; errors are every rank's own. A warning shown while a progress
+    bar is live is written clear of it (:func:`~ampguard.signals.clear_of_bars`). Those held back
+    are written as stdout's first line is, inside the bar's own clearing (``tqdm.write``): plainly.
 
     Example::
 
@@ -738,6 +740,7 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
     """
     from .errors import AmpguardWarning
     from .precision import SlowPrecisionWarning
+    from .signals import clear_of_bars
 
     held = _HeldWarnings()
     if quiet:  # (the demo's other warnings still one line each)
@@ -751,11 +754,13 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
         os.environ.get("RANK", "0").strip() not in ("", "0")
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, AmpguardWarning):  # (SlowPrecisionWarning among them)
-            if not another_rank:
-                held.say(f"ampguard: warning: {message}")
-        else:
-            shown(message, category, filename, lineno, file, line)
+        # (a warning mid-run stuck to a live progress bar on a terminal: review 56b)
+        with clear_of_bars(file if file is not None else sys.stderr):
+            if issubclass(category, AmpguardWarning):  # (SlowPrecisionWarning among them)
+                if not another_rank:
+                    held.say(f"ampguard: warning: {message}")
+            else:
+                shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
     return held

@@ -850,6 +850,50 @@ def console_width(text: str, encoding: str | None = None) -> int:
 
 
 @contextmanager
+def clear_of_bars(file: Any = None) -> Iterator[None]:
+    """What the block writes to ``file`` (stdout when None) kept off any live tqdm progress bar
+    (``ampguard train``'s, Hugging Face's): the bars are wiped from their line first and drawn
+    again below what was written (tqdm's ``external_write_mode``, which ``tqdm.write`` uses). A
+    line written past a live bar on a terminal stuck to it (``... 195/600 [00:01<00:03]UserWarning:
+    ...``, ``...]ALERT 63 ...``; review 56b). With no tqdm imported there is no bar: the block
+    runs as it is (nothing imported). A bar that is off (stderr not a terminal) is no live bar.
+
+    Example::
+
+        >>> import io
+        >>> from tqdm import tqdm
+        >>> term = io.StringIO()  # (stdout and stderr, one terminal)
+        >>> with contextlib.redirect_stdout(term), contextlib.redirect_stderr(term):
+        ...     bar = tqdm(total=10, file=sys.stderr, disable=False, bar_format="{n}/{total}")
+        ...     with clear_of_bars(sys.stderr):
+        ...         print("a line", file=sys.stderr)
+        ...     bar.close()
+        >>> term.getvalue().replace(" ", "")  # (the bar; wiped; the line; the bar again, below it)
+        '\\r0/10\\r\\raline\\n\\r0/10\\r0/10\\n'
+    """
+    bars = sys.modules.get("tqdm.std")
+    if bars is None:
+        yield
+        return
+    with bars.tqdm.external_write_mode(file=file):
+        yield
+
+
+def console_line(line: str) -> None:
+    """``print(line)``, kept off a live progress bar (:func:`clear_of_bars`): where the console
+    lines of a run ampguard does not drive go by default (the Hugging Face callback's ``ALERT``,
+    ``CLEAR`` and ``FAIL`` lines, under HF's bar), as ``print`` where no bar is live.
+
+    Example::
+
+        >>> console_line("ALERT 63 rolling skip rate 0.100 > alert_rate 0.05")
+        ALERT 63 rolling skip rate 0.100 > alert_rate 0.05
+    """
+    with clear_of_bars(sys.stdout):
+        print(line)
+
+
+@contextmanager
 def tolerant_console() -> Iterator[TolerantStream]:
     """``sys.stdout`` and ``sys.stderr`` as :class:`TolerantStream` for the block (stdout's
     encoding errors as :func:`_console_errors` says, and stdout written a line at a time:

@@ -55,7 +55,7 @@ from ..files import replace_atomically
 from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
 from ..precision import Precision, check_scaler_settings, loss_scaler_runs, take_over_stock_scale
 from ..records import SkipLog, StepLog, StepRecord, numbers_back, strict_json
-from ..signals import Interrupted, StopFlag, stop_on_signals
+from ..signals import Interrupted, StopFlag, console_line, stop_on_signals
 from ..sinks import CsvSink, Sink, aside_taken_back, newly_lost, set_aside
 from ..step import Guard, check_settings, holds_gradients
 from ..watch import first_forward_dtypes, float32_layers_text, note_autocast_inside
@@ -215,7 +215,8 @@ class AmpGuardCallback(TrainerCallback):
             ``run-<N>``).
         window, alert_rate, clear_rate, fail_rate, fail_after, min_steps: :class:`RunMonitor`'s settings;
             ``fail_rate=None`` (default) turns fail-fast off.
-        print_fn: where ``ALERT``/``FAIL`` lines go (``print`` by default).
+        print_fn: where ``ALERT``/``CLEAR``/``FAIL`` lines go (by default stdout, kept off HF's live
+            progress bar as HF's own log lines are: :func:`~ampguard.signals.console_line`).
         sinks: more sinks for each step's record (process 0 writes them): a ``WandbSink`` or
             ``MLflowSink`` also gets the monitor's view of each step, and at the end of ``train()``
             the totals, the files above as artifacts, and its run ended with :attr:`exit_code`.
@@ -233,7 +234,7 @@ class AmpGuardCallback(TrainerCallback):
 
     def __init__(self, out_dir: str | Path | None = None, *, window: int = 1000, alert_rate: float = 0.05,
                  clear_rate: float | None = None, fail_rate: float | None = None, fail_after: int = 100,
-                 min_steps: int = DEFAULT_MIN_STEPS, print_fn: Any = print,
+                 min_steps: int = DEFAULT_MIN_STEPS, print_fn: Any = console_line,
                  sinks: Sequence[Sink] | Callable[[Any], Sequence[Sink]] = ()) -> None:
         RunMonitor(window=window, alert_rate=alert_rate, clear_rate=clear_rate, fail_rate=fail_rate,
                    fail_after=fail_after, min_steps=min_steps)  # bad settings fail here, not at the first step
