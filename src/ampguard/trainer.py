@@ -738,8 +738,9 @@ class Trainer:
             if isinstance(sink, TrackerSink):  # where the tracker run is: it may not be where one looks first
                 say(f"tracking: {sink.where}")
                 if resuming and self.state.steps and sink.found_earlier is False:  # (deleted there, or another store)
-                    say(f"warning: {sink.where} is a new run: this run's earlier one was not found there (deleted? "
-                        f"another store?); it holds the steps from {self.state.steps + 1} on")
+                    # (a warning as the others are, `ampguard: warning: ...` on stderr; it was a stdout line: review 56b)
+                    warnings.warn(f"{sink.where} is a new run: this run's earlier one was not found there (deleted? "
+                                  f"another store?); it holds the steps from {self.state.steps + 1} on", AmpguardWarning)
         if resuming and self._failed is None:  # rank 0's; a resume a sink refused keeps the old config.yaml
             try:
                 with writing(self.paths.config or "config.yaml"):
