@@ -20,7 +20,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, TypedDict, TypeVar, Unpack, overload
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ def __getattr__(name: str) -> Any:
 
 
 SchedulerOnSkip = Literal["hold", "step"]
+Frozen = Literal["refuse", "ignore"]
 Models = nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module]
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer]
 
@@ -606,7 +607,10 @@ def _compiled_tail() -> Callable[..., Any]:
     return torch.compile(sync_free_tail, fullgraph=True, dynamic=False)
 
 
-class _SetOnce:
+_Held = TypeVar("_Held")
+
+
+class _SetOnce(Generic[_Held]):
     """An attribute set once, in ``Guard()``: the step reads what it holds then (the parameters it
     checks, the LR schedule), so a later assignment would be ignored, silently; it is refused.
 
@@ -625,6 +629,15 @@ class _SetOnce:
 
     # No __get__: the value lives in the instance's __dict__ under its own name, so reading it is a
     # plain attribute read (the step reads the scaler a dozen times); only assignment comes here.
+    # A type checker is told what a read gives, ``_SetOnce[T]``'s T (review 56e: guard.optimizer was
+    # "_SetOnce", without attributes, to mypy and pyright); the run never defines it.
+    if TYPE_CHECKING:
+        @overload
+        def __get__(self, obj: None, owner: type) -> _SetOnce[_Held]: ...
+        @overload
+        def __get__(self, obj: object, owner: type) -> _Held: ...
+        def __get__(self, obj: object, owner: type) -> _SetOnce[_Held] | _Held: ...
+
     def __set__(self, obj: Any, value: Any) -> None:
         if self.public in obj.__dict__:
             raise AttributeError(f"Guard.{self.public} is set once, in Guard(): the step would go on with the one it "
@@ -712,7 +725,9 @@ class Guard:
             is skipped when its own gradients are non-finite (``GradScaler``'s semantics), all
             of them for a non-finite loss or a joint norm no single one's explains; the clip
             covers what is applied, and the records name them (:attr:`record_columns`).
-        precision: ``"fp16"`` (with a loss scaler), ``"bf16"`` or ``"fp32"``.
+        precision: ``"fp16"`` (with a loss scaler), ``"bf16"``, ``"fp32"``, or ``"fp8"`` for a model
+            converted by :func:`~ampguard.fp8.convert_to_fp8` first (torchao's float8 layers, bf16
+            autocast around them); or a :class:`Precision`.
         max_norm: global L2 clip threshold; ``None`` or ``<= 0`` disables clipping.
         accumulation_steps: micro-batches per optimizer update; each loss is divided by it.
         scheduler: an LR scheduler stepped once per applied update of its optimizer; with
@@ -755,15 +770,16 @@ class Guard:
     # only, read and cleared by _dropped: its note says the update may be partly applied; review 55r)
     _partly: str | None = None
 
-    optimizer = _SetOnce()
-    optimizers = _SetOnce()
-    scheduler = _SetOnce()
+    # the optimizer itself when there is one, else {name: optimizer} (guard.optimizers always the latter)
+    optimizer: _SetOnce[torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]] = _SetOnce()
+    optimizers: _SetOnce[Mapping[str, torch.optim.Optimizer]] = _SetOnce()
+    scheduler: _SetOnce[Any] = _SetOnce()  # (as given: None, a scheduler, a list or dict of them)
     # (a model assigned later was ignored, every step "applied" with norm 0; a precision or scaler
     # assigned later failed deep inside the step with an AttributeError)
-    model = _SetOnce()
-    precision = _SetOnce()
-    scaler = _SetOnce()
-    device = _SetOnce()
+    model: _SetOnce[Models] = _SetOnce()
+    precision: _SetOnce[Precision] = _SetOnce()
+    scaler: _SetOnce[GuardedGradScaler] = _SetOnce()
+    device: _SetOnce[torch.device] = _SetOnce()
 
     def __init__(
         self,
@@ -775,11 +791,11 @@ class Guard:
         accumulation_steps: int = 1,
         scheduler: Any = None,
         device: str | torch.device | None = None,
-        scaler: GuardedGradScaler | dict[str, Any] | None = None,
+        scaler: torch.amp.GradScaler | dict[str, Any] | None = None,
         scheduler_on_skip: SchedulerOnSkip = "hold",
         sync_free: bool = False,
         lr_schedule: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        frozen: Literal["refuse", "ignore"] = "refuse",
+        frozen: Frozen = "refuse",
         fuse_tail: bool = False,
     ) -> None:
         check_settings(max_norm, scheduler_on_skip, frozen)
@@ -2179,7 +2195,37 @@ def _initial_lr(group: dict[str, Any]) -> torch.Tensor:
     return torch.as_tensor(base, dtype=torch.float32, device=device).detach().clone()
 
 
-_NO_BATCH: Any = object()  # (AmpTrainState.step without a batch: only step(close=True))
+class GuardSettings(TypedDict, total=False):
+    """:class:`Guard`'s keywords, each optional, for the functions that pass them on
+    (``AmpTrainState(model, optimizer, loss_fn, **settings)``, ``make_guard(accelerator, model,
+    optimizer, **settings)``): typed as ``**settings: Unpack[GuardSettings]`` (PEP 692), a
+    misspelt keyword or a wrong value is a type checker's error there as it is at ``Guard(...)``
+    (review 56e). Type checking only: at run time ``Guard()`` checks what it is given. Each is
+    typed as Guard's own parameter (a test keeps the two the same).
+    """
+
+    precision: PrecisionName | Precision
+    max_norm: float | None
+    accumulation_steps: int
+    scheduler: Any
+    device: str | torch.device | None
+    scaler: torch.amp.GradScaler | dict[str, Any] | None
+    scheduler_on_skip: SchedulerOnSkip
+    sync_free: bool
+    lr_schedule: Callable[[torch.Tensor], torch.Tensor] | None
+    frozen: Frozen
+    fuse_tail: bool
+
+
+class _NoBatch:
+    """``AmpTrainState.step()``'s default: no batch given (only ``step(close=True)`` takes none);
+    shown so in ``help()``, not as an ``<object object at 0x...>``."""
+
+    def __repr__(self) -> str:
+        return "<no batch>"
+
+
+_NO_BATCH: Any = _NoBatch()  # (AmpTrainState.step without a batch: only step(close=True))
 
 
 class AmpTrainState(Guard):
@@ -2201,7 +2247,7 @@ class AmpTrainState(Guard):
     """
 
     def __init__(self, model: nn.Module, optimizer: Optimizers,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], **settings: Any) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor], **settings: Unpack[GuardSettings]) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError("AmpTrainState calls model(inputs): pass one module, or use Guard for several")
         if not callable(loss_fn):  # (None failed at the first step: "'NoneType' object is not callable")
@@ -2210,7 +2256,8 @@ class AmpTrainState(Guard):
         super().__init__(model, optimizer, **settings)
         self.loss_fn = loss_fn
 
-    # (help() and an IDE show Guard's keywords, which **settings passes on: review 49b)
+    # (help() and inspect show Guard's keywords, which **settings passes on: review 49b; type checkers and
+    # editors read them from GuardSettings)
     __init__.__signature__ = (lambda sig: sig.replace(parameters=[  # type: ignore[attr-defined]
         *list(sig.parameters.values())[:3],
         inspect.Parameter("loss_fn", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Callable[[Any, Any], Tensor]"),

@@ -16,12 +16,14 @@ Needs the ``accelerate`` extra (``pip install 'ampguard[accelerate]'``) only for
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from ..step import Guard
+from ..step import Guard, GuardSettings
+
+__all__ = ["GuardState", "found_inf", "make_guard"]
 
 
 def _inner(optimizer: Any) -> Any:
@@ -76,13 +78,14 @@ def found_inf(scaler: torch.amp.GradScaler | None, optimizer: Any) -> torch.Tens
 
 
 def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: bool = True,
-               **settings: Any) -> Guard:
+               **settings: Unpack[GuardSettings]) -> Guard:
     """A :class:`Guard` over a model and optimizer that ``accelerator.prepare`` returned.
 
     Accelerate must not do the AMP too (``Accelerator(mixed_precision="no")``, the default):
     autocast twice and two loss scalers would be refused anyway, so it is refused here with the
     fix. The guard takes the torch optimizer inside Accelerate's wrapper and the accelerator's
-    device; ``settings`` are :class:`Guard`'s (``precision``, ``max_norm``, ``scheduler``, ...).
+    device; ``settings`` are :class:`Guard`'s (``precision``, ``max_norm``, ``scheduler``, ...;
+    typed for checkers as :class:`~ampguard.step.GuardSettings`).
     Use the guard's verbs instead of ``accelerator.backward``, ``clip_grad_norm_`` and
     ``optimizer.step``; don't wrap them in ``accelerator.accumulate``: the guard accumulates.
 
