@@ -27,12 +27,24 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 from .errors import (AmpguardWarning, InputError, brief, counted, failed_because, first_line, has_control, plain_digits,
                      shortened, shown, whole_number)
 from .files import DiskFull, disk_full_error, is_temporary, open_to_append, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
+
+if TYPE_CHECKING:  # (this module imports neither at run time: the CLI starts without them)
+    import numpy
+    import torch
+
+ExtraValue: TypeAlias = "float | str | torch.Tensor | numpy.generic | None"
+"""A value of your own beside a record, ``sink.write(record, {"val_loss": value})``: a number
+(an int, a float, a bool), text, a one-element tensor or a NumPy number (read as the number it
+holds), or ``None`` (missing). A CSV writes each in its column, a JSONL line holds each, the
+trackers and TensorBoard log the numbers (text, a bool and a missing value left out); a value
+none of them can hold (a tensor of several values) is refused in one line. (A type for checkers,
+review 56e: ``extra`` was annotated numbers only; a sink of your own may take ``Mapping[str, Any]``.)"""
 
 CSV_COLUMNS: tuple[str, ...] = (
     "step", "lr", "grad_l2_pre_clip", "grad_l2_post_clip", "loss", "skipped", "skip_reason", "scaler_scale",
@@ -94,7 +106,7 @@ class Sink(Protocol):
         (True, False)
     """
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None: ...
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -555,7 +567,7 @@ class _Line:
         return line
 
 
-def csv_row(record: StepRecord, extra: Mapping[str, float | str | None] | None = None) -> dict[str, str]:
+def csv_row(record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> dict[str, str]:
     """The CSV cells of one record: numbers via :func:`format_number`, missing values empty.
 
     Reads ``record.values()`` (which costs a host sync if the record holds device tensors).
@@ -1139,7 +1151,7 @@ class CsvSink(_LineFile):
         with path.open("rb") as f:
             _kept_lines(path, f, width, step, first, purpose, read_back, None)
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         """Append one row, :func:`csv_row`'s cells in the header's order, in one unbuffered write:
         in the file when this returns (:class:`DiskFull` when there is no room)."""
         self.check(record, extra)
@@ -1160,7 +1172,7 @@ class CsvSink(_LineFile):
         self.rows += 1
         self._last = record.step
 
-    def check(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def check(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         """Refuse what :meth:`write` would refuse whatever the rows before it: a record that is
         not one, one with no column for its optimizers' skips, an ``extra`` value no column
         holds. (:class:`BackgroundSink` asks on the caller's thread, before it queues the
@@ -1471,7 +1483,7 @@ class ConsoleSink:
         self.every = int(every)
         self._print = print_fn or (lambda s: print(s, file=sys.stdout, flush=True))
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         if record is None:
             raise TypeError(NONE_WRITTEN)
         if record.skipped or record.step % self.every == 0:
@@ -1564,7 +1576,7 @@ class JsonlSink(_LineFile):
             raise InputError(f"{path}: its first line is not a step record (a JSON object with an "
                              f"integer \"step\"), {_cannot_use(purpose)}")
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         if record is None:
             raise TypeError(NONE_WRITTEN)
         if not step_follows(record.step, self._last):  # (review 50b: 5, 5, 2 went in)
@@ -1844,7 +1856,7 @@ class TensorBoardSink:
         """
         require("tensorboard", "log.tensorboard")
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         """The record's values and the extras that are numbers (text, a bool, a missing value
         left out, as the trackers leave them), each as a scalar at the record's step; a step at or
         before the last written, or a write after :meth:`close`, is refused as the CSV refuses
@@ -1961,7 +1973,7 @@ class BackgroundSink:
             err, self._writing.error = self._writing.error, None
             raise err
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         """Start the record's host copy and queue it; raises an earlier error of the thread, and
         what an inner :class:`CsvSink` refuses whatever the rows before (:meth:`CsvSink.check`:
         an undeclared column) before queuing. Waits while ``max_pending`` records are queued."""
@@ -2167,7 +2179,7 @@ class Sinks:
         run stops at the step's end: ``Trainer``)."""
         self._told: list[Any] = []  # the lost tracker sinks newly_lost() named
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         for sink in list(self.sinks):  # (each refuses a None itself: NONE_WRITTEN)
             try:
                 sink.write(record, extra)

@@ -93,6 +93,8 @@ from ..step import Guard, check_settings
 from ..watch import first_forward_dtypes
 from .trackers import Outcome, end_sinks, end_unserved
 
+__all__ = ["AmpGuardPlugin"]
+
 LightningPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
 _NAMES = {"16-mixed": "fp16", "bf16-mixed": "bf16", "32-true": "fp32", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 # what goes to LightningModule.log, from the record's values (None is logged as nan)

@@ -57,8 +57,10 @@ from ..errors import (AmpguardWarning, ExitCode, InputError, counted, failed_bec
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
-from ..sinks import NONE_WRITTEN, DiskFull, check_step_after, metric_number, require, steps_from
+from ..sinks import NONE_WRITTEN, DiskFull, ExtraValue, check_step_after, metric_number, require, steps_from
 from ..watch import float32_layers_text
+
+__all__ = ["ForkedRunWarning", "MLflowSink", "TrackerLostWarning", "WandbSink"]
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -119,7 +121,7 @@ def _import(package: str, flag: str) -> Any:
         raise InputError(f"{flag}: cannot import {package} ({err}): pip install 'ampguard[{package}]'") from None
 
 
-def step_metrics(record: StepRecord, extra: Mapping[str, float | None] | None = None) -> dict[str, float]:
+def step_metrics(record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> dict[str, float]:
     """One step's numbers for a tracker: the CSV row's, a missing value left out, non-finite
     ones kept. Reads ``record.values()`` (a host sync if the record holds device tensors).
 
@@ -272,7 +274,7 @@ class TrackerSink:
         raise NotImplementedError
 
     # -- the Sink protocol
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         if record is None:
             raise TypeError(NONE_WRITTEN)
         if self._ended:  # (as CsvSink: a row written after close() went nowhere, unsaid)
@@ -750,7 +752,7 @@ class MLflowSink(TrackerSink):
             self.client.log_batch(run_id, params=flat[i:i + 100])
         return run_id
 
-    def write(self, record: StepRecord, extra: Mapping[str, float | None] | None = None) -> None:
+    def write(self, record: StepRecord, extra: Mapping[str, ExtraValue] | None = None) -> None:
         # (refused at the write that brings it, before anything is held: a name MLflow refused at the next
         # write's flush lost that row and this one, at every step, and the run ended FINISHED and empty)
         keys = {f"eval/{name}" for name in (extra or {})} | {f"train/skipped.{name}" for name in record.optimizers}

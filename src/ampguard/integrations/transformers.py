@@ -57,9 +57,11 @@ from ..precision import Precision, check_scaler_settings, loss_scaler_runs, take
 from ..records import SkipLog, StepLog, StepRecord, numbers_back, strict_json
 from ..signals import Interrupted, StopFlag, console_line, stop_on_signals
 from ..sinks import CsvSink, Sink, aside_taken_back, newly_lost, set_aside
-from ..step import Guard, check_settings, holds_gradients
+from ..step import Frozen, Guard, SchedulerOnSkip, check_settings, holds_gradients
 from ..watch import first_forward_dtypes, float32_layers_text, note_autocast_inside
 from .accelerate import _inner, found_inf
+
+__all__ = ["AmpGuardCallback", "GuardedTrainer", "WatchOnlyWarning"]
 
 CSV_NAME, EVENTS_NAME, SUMMARY_NAME, CARD_NAME = "steps.csv", "events.jsonl", "summary.json", "RUN.md"
 STOCK_FLOOR = 1.0
@@ -1122,7 +1124,7 @@ class GuardedTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
-                 scheduler_on_skip: str = "hold", frozen: str = "refuse", **kwargs: Any) -> None:
+                 scheduler_on_skip: SchedulerOnSkip = "hold", frozen: Frozen = "refuse", **kwargs: Any) -> None:
         _require_seams()  # (a transformers before TRANSFORMERS_FLOOR: refused before anything is built)
         check_settings(None, scheduler_on_skip, frozen)  # (Guard's own check; max_norm is args.max_grad_norm)
         self.frozen = frozen  # Guard's: a parameter that requires grad and no optimizer holds (optimizers=(opt, None))
@@ -1144,7 +1146,8 @@ class GuardedTrainer(Trainer):
         ampguard._guarded = False  # (a GuardedTrainer takes it again; a stock Trainer is refused one: on_init_end)
         super().__init__(*args, callbacks=callbacks, **kwargs)
         _refuse_unguardable(self)
-        self.ampguard = ampguard
+        # (declared: never None once built, so trainer.ampguard.exit_code type-checks; review 56e)
+        self.ampguard: AmpGuardCallback = ampguard
         # ampguard train's defaults: the scale never falls below 1.0 (scaler.min_scale)
         precision = precision_of(self.args)
         check_scaler_settings(precision, scaler or {})  # (an unknown key: here, not at the first step)
