@@ -90,7 +90,8 @@ def train(args: argparse.Namespace) -> int:
             with guard.autocast():                                   # the discriminator: real vs fake
                 d_loss = bce(discriminator(real), 1.0) + bce(discriminator(generator(z).detach()), 0.0)
             guard.backward(d_loss)
-            sink.write(guard.step("discriminator"))
+            if (record := guard.step("discriminator")) is not None:  # (None only inside an accumulation group)
+                sink.write(record)
 
             with guard.autocast():                                   # the generator: fool it
                 g_loss = bce(discriminator(generator(z)), 1.0)       # (its gradients in D are dropped)
@@ -100,7 +101,8 @@ def train(args: argparse.Namespace) -> int:
             guard.backward(g_loss)
             if hook is not None:
                 hook.remove()
-            sink.write(guard.step("generator"))
+            if (record := guard.step("generator")) is not None:
+                sink.write(record)
     finally:
         sink.close()
 
