@@ -1668,12 +1668,18 @@ def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path
                           "run's config.yaml)", AmpguardWarning, stacklevel=2)
 
 
-def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Config, map_location: Any,
+def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Config, map_location: Any = "cpu",
                          data_id: Any = None) -> dict[str, Any]:
     """A checkpoint's weights into ``model`` for validate and locate (:func:`ampguard.checkpoint.load_weights`,
     which refuses weights that do not fit, naming the task settings behind a misfit), then its
     ``task`` settings against ``config``'s (:func:`check_task_settings`: weights that fit a model
-    of other settings, review 53b). Returns the checkpoint's payload."""
+    of other settings, review 53b). Returns what the callers read of the payload: its ``step``,
+    ``config`` and ``state.scaler`` (where it has one).
+
+    The payload is loaded on the host (``map_location``) and ``load_state_dict`` copies the
+    weights onto the model's device; nothing else of it is kept (review 56c: validate and locate
+    held the whole payload, weights and optimizer moments, on the run's device for the whole
+    command, 3x the parameters with AdamW beside the model they evaluate and replay)."""
     settings = plain_data(config)["task"]
     payload = ckpt.load_weights(model, path, map_location=map_location, task=settings, data_id=data_id)
     # review 54n: the step, which validate writes into its report and locate judges its weights'
@@ -1683,7 +1689,9 @@ def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Conf
     for key in (STEP, CONFIG):
         check_field(path, payload, key)
     check_task_settings(payload, settings, path)
-    return payload
+    state = payload[STATE]  # (a mapping: load_weights checks it)
+    return {STEP: payload[STEP], CONFIG: payload[CONFIG],
+            STATE: {"scaler": state["scaler"]} if "scaler" in state else {}}
 
 
 def _value(value: Any) -> str:

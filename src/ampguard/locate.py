@@ -1603,7 +1603,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         raise InputError(f"precision: {err}") from None
     checkpoint_scale = saved_step = None
     if checkpoint:
-        saved = load_trained_weights(model, checkpoint, config, map_location=device, data_id=task.data_id)
+        saved = load_trained_weights(model, checkpoint, config, data_id=task.data_id)
         checkpoint_scale = _checkpoint_scale(checkpoint, saved["state"].get("scaler"), config, precision)
         saved_step = saved["step"]  # (an int >= 0: load_trained_weights checks it, review 54n)
     injector = FaultInjector(faults, config.accumulation_steps)

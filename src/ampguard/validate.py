@@ -2106,7 +2106,7 @@ def _judge(config: Config, folder: ReportFolder) -> tuple[Validation, dict[str, 
     weights = "freshly initialised (no checkpoint given)"
     checkpoint = cfg.checkpoint
     if checkpoint:
-        payload = load_trained_weights(model, checkpoint, config, map_location=device, data_id=task.data_id)
+        payload = load_trained_weights(model, checkpoint, config, data_id=task.data_id)
         weights = f"from {checkpoint} (step {payload['step']})"
         try:
             provenance = {"path": str(Path(checkpoint).resolve()), "sha256": file_sha256(checkpoint)}

@@ -1,0 +1,114 @@
+"""Review 56c, what ampguard kept alive that it had no more use for:
+
+- F1: ``validate --checkpoint`` and ``locate --checkpoint`` kept the checkpoint's whole payload (the
+  weights' copy and the AdamW moments, 3x the parameters) on the run's device for the whole
+  command; they keep its step and loss scale, the rest is freed before the passes and the replay;
+- F2: a resumed run kept the weights of the checkpoint it resumed from (``resume.loaded.payload``,
+  held by the Trainer and the CLI) until it ended;
+- F4: a monitor window cost ~130 B a step of ``monitor.window`` (lists and a deque of float
+  objects); it is a byte a step a flag window, 8 for the scales.
+
+Memory is measured by what stays referenced (weak references to the loaded tensors) and by what
+Python allocated (tracemalloc), never by timing or the RSS.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampguard import checkpoint as ckpt
+from ampguard import checkpointer as ck
+from ampguard import locate, validate
+from ampguard.config import validate as config_of
+from ampguard.run_folder import RunPaths
+from ampguard.tasks import build_task
+from ampguard.train import run as train_run
+
+
+def settings(tmp_path: Path, steps: int) -> dict:
+    return {"task": {"name": "linear"}, "steps": steps, "precision": "fp32", "device": "cpu",
+            "eval": {"enabled": False}, "checkpoint": {"every": 1},
+            "log": {"dir": str(tmp_path / "runs"), "name": "a", "plot": False}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """A 2-step AdamW run (its optimizer state holds moments) and its folder."""
+    tmp_path = tmp_path_factory.mktemp("trained")
+    config = config_of(settings(tmp_path, 2))
+    result = train_run(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=10**6,
+                       print_fn=lambda line: None)
+    assert int(result.exit_code) == 0
+    return tmp_path, tmp_path / "runs" / "a"
+
+
+def tensors_of(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+@pytest.fixture
+def loaded(monkeypatch) -> list[weakref.ref]:
+    """Weak references to every tensor of each checkpoint payload read from disk (the one reader,
+    ``checkpoint.load_checkpoint``, wrapped: what it returns is what the command holds)."""
+    refs: list[weakref.ref] = []
+    read = ckpt.load_checkpoint
+
+    def reading(*args, **kwargs):
+        payload = read(*args, **kwargs)
+        refs.extend(weakref.ref(t) for t in tensors_of(payload))
+        return payload
+
+    monkeypatch.setattr(ckpt, "load_checkpoint", reading)
+    return refs
+
+
+def alive(refs: list[weakref.ref]) -> int:
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+def test_load_trained_weights_keeps_only_the_step_the_config_and_the_scale(trained, loaded):
+    folder, run_dir = trained
+    config = config_of(settings(folder, 2))
+    model = build_task(config).model
+    path = ckpt.list_checkpoints(run_dir / "checkpoints")[-1]
+    saved = ck.load_trained_weights(model, path, config, "cpu")
+    read = list(loaded)
+    assert alive(read) == 0  # none of what was read is held: the returned dict has no tensor
+    weights = ckpt.load_checkpoint(path)["model"]
+    assert len(read) > len(weights) >= 2  # (the optimizer's moments were read too)
+    assert all(torch.equal(model.state_dict()[name], w) for name, w in weights.items())  # the weights went in
+    assert saved["step"] == 2 and set(saved) == {"step", "config", "state"} and set(saved["state"]) == {"scaler"}
+
+
+@pytest.mark.parametrize("command", ["locate", "validate"])
+def test_validate_and_locate_hold_nothing_of_the_checkpoint_while_they_run_the_model(trained, loaded, monkeypatch,
+                                                                                   command):
+    folder, run_dir = trained
+    path = str(ckpt.list_checkpoints(run_dir / "checkpoints")[-1])
+    seen: list[int] = []
+    module, name = (locate, "diagnose_group") if command == "locate" else (validate, "compare")
+    passes = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        seen.append(alive(loaded))  # as the replay / the passes start
+        return passes(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    config = config_of({**settings(folder, 2), "validation": {"precisions": ["bf16"], "checkpoint": path}})
+    if command == "locate":
+        locate.run(config, step=1, checkpoint=path)
+    else:
+        validate.run(config, checkpoint=path, out=folder / "validated")
+    assert loaded and seen == [0]  # (all of them: the weights' copy and the AdamW moments)
