@@ -232,6 +232,12 @@ class Trainer:
             problem = distributed.first_error(problem)  # every rank refuses, with the first rank's line
             if problem is not None:
                 raise InputError(problem)
+            # the weights and the optimizer state are the model's and the optimizer's now: the payload's
+            # copies let go (review 56c: they stayed, held by self.resume and the CLI's, until the run
+            # ended, a model's worth of host memory, with AdamW on a GPU 3x the parameters); what is read
+            # after (policy, autocast dtypes, throughput, data position, config) stays, a rollback reloads
+            for part in (ck.MODEL, ck.OPTIMIZER):
+                resume.loaded.payload.pop(part, None)
             ck.lrs_from_schedule(self.state.optimizer, self.state.scheduler)
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []

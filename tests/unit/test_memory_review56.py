@@ -15,6 +15,7 @@ Python allocated (tracemalloc), never by timing or the RSS.
 from __future__ import annotations
 
 import gc
+import shutil
 import weakref
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from ampguard.config import validate as config_of
 from ampguard.run_folder import RunPaths
 from ampguard.tasks import build_task
 from ampguard.train import run as train_run
+from ampguard.trainer import Trainer
 
 
 def settings(tmp_path: Path, steps: int) -> dict:
@@ -112,3 +114,18 @@ def test_validate_and_locate_hold_nothing_of_the_checkpoint_while_they_run_the_m
     else:
         validate.run(config, checkpoint=path, out=folder / "validated")
     assert loaded and seen == [0]  # (all of them: the weights' copy and the AdamW moments)
+
+
+def test_a_resumed_run_lets_the_checkpoints_weights_and_optimizer_state_go_once_restored(trained, tmp_path):
+    folder, run_dir = trained
+    run = tmp_path / "runs" / "a"
+    shutil.copytree(run_dir, run)  # (the module's run stays as it was)
+    resume = ck.find_resume(run)
+    refs = [weakref.ref(t) for t in resume.loaded.payload[ck.MODEL].values()]
+    config = config_of(settings(tmp_path, 4))
+    trainer = Trainer(config, outputs=lambda: RunPaths.existing(run), console_every=10**6, stats_every=None,
+                      print_fn=lambda line: None, progress=False, resume=resume)
+    assert alive(refs) == 0  # (the model's weights are a copy of them: the payload's stayed for the whole run)
+    assert ck.MODEL not in resume.loaded.payload and ck.OPTIMIZER not in resume.loaded.payload
+    result = trainer.run()  # what is read after the restore is still there
+    assert int(result.exit_code) == 0 and result.monitor.steps == 4
