@@ -57,6 +57,19 @@ def _guarded_steps(guard, model, steps) -> None:
 SETTINGS = dict(init_scale=2.0**10, growth_interval=3)
 
 
+def _a_plain_loop_and_its_reference():
+    """A plain loop's 12 steps (the reference) and another's first 4, which a guard then takes over."""
+    reference, ref_opt = _build()
+    ref_scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+    for i in range(12):
+        _plain_step(reference, ref_opt, ref_scaler, i)
+    model, opt = _build()
+    scaler = torch.amp.GradScaler("cpu", **SETTINGS)
+    for i in range(4):
+        _plain_step(model, opt, scaler, i)
+    return reference, ref_scaler, model, opt, scaler
+
+
 @pytest.fixture
 def _quiet():
     with warnings.catch_warnings():
@@ -66,14 +79,7 @@ def _quiet():
 
 @pytest.mark.usefixtures("_quiet")
 def test_a_gradscaler_handed_to_a_guard_is_plain_again_once_the_guard_is_collected():
-    reference, ref_opt = _build()
-    ref_scaler = torch.amp.GradScaler("cpu", **SETTINGS)
-    for i in range(12):
-        _plain_step(reference, ref_opt, ref_scaler, i)
-    model, opt = _build()
-    scaler = torch.amp.GradScaler("cpu", **SETTINGS)
-    for i in range(4):
-        _plain_step(model, opt, scaler, i)
+    reference, ref_scaler, model, opt, scaler = _a_plain_loop_and_its_reference()
     guard = Guard(model, opt, precision="fp16", max_norm=1.0, scaler=scaler)
     second = Guard(model, opt, precision="fp16", max_norm=1.0, scaler=scaler)  # (two guards, one scale)
     _guarded_steps(guard, model, range(4, 8))
@@ -93,14 +99,7 @@ def test_a_gradscaler_handed_to_a_guard_is_plain_again_once_the_guard_is_collect
 
 @pytest.mark.usefixtures("_quiet")
 def test_while_the_guard_lives_its_refusals_say_how_to_go_back_and_that_way_is_bit_for_bit():
-    reference, ref_opt = _build()
-    ref_scaler = torch.amp.GradScaler("cpu", **SETTINGS)
-    for i in range(12):
-        _plain_step(reference, ref_opt, ref_scaler, i)
-    model, opt = _build()
-    scaler = torch.amp.GradScaler("cpu", **SETTINGS)
-    for i in range(4):
-        _plain_step(model, opt, scaler, i)
+    reference, ref_scaler, model, opt, scaler = _a_plain_loop_and_its_reference()
     guard = Guard(model, opt, precision="fp16", max_norm=1.0, scaler=scaler)
     _guarded_steps(guard, model, range(4, 8))
     back = (r"\(to go back to the plain loop while the guard lives, make a new GradScaler and "
