@@ -2228,7 +2228,7 @@ def run(*, device: str = "cpu", models: str = "mlp,transformer", precisions: str
                       flush=True)
                 if _busy(load):  # (after the figures it is about: a refusal above stays one line)
                     cpus = counted(_usable_cpus(), "usable CPU")
-                    print(f"warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
+                    print(f"ampguard: warning: the 1-minute load before the bench ({load[0]:.2f}) was above the {cpus}: other "
                           "work shared the cores, and the timings are not to be trusted", file=sys.stderr, flush=True)
                 written = True
         except Interrupted as held:  # (the hold's, once the output is whole: a signal came while it was written)

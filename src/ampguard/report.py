@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .build import build_monitor
 from .clipping import clip_threshold
-from .errors import (ExitCode, InputError, check_folder_of, counted, failed_because, first_line, real_number,
-                     table_cell, visible, whole_number)
+from .errors import (AmpguardWarning, ExitCode, InputError, check_folder_of, counted, failed_because, first_line,
+                     real_number, table_cell, visible, whole_number)
 from .files import DiskFull, left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
 from .fp8 import in_float8
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
@@ -1874,12 +1874,15 @@ def card_after_report(paths: RunPaths, png: Path) -> str | None:
     return f"{card}: its plot row said the plot was not drawn; it names {png.name} now"
 
 
-def write_report(config: Config, result: RunResult, say: Callable[[str], None]) -> None:
+def write_report(config: Config, result: RunResult) -> None:
     """Run card and plot (``log.plot``); a plotting failure is reported, never allowed to lose the
     run card: the card is written first (its ``plot`` row :data:`PLOT_BEING_DRAWN`), then the plot
     drawn, then the card again with the plot's row as it came out (the file's name, or why it
     could not be drawn). Review 55b: the card came after the plot, and a plot killed while drawing
-    a long run (the OOM killer: no ``except`` catches it) left no card.
+    a long run (the OOM killer: no ``except`` catches it) left no card. What went wrong with the
+    plot is an :class:`~ampguard.errors.AmpguardWarning` (``ampguard: warning: ...`` on stderr, as
+    every other warning; review 56m: a bare ``warning:`` line on stdout, which a ``2>`` file and a
+    grep for ``ampguard: warning`` missed).
 
     Example (a CSV with no rows yet cannot be plotted; the card is written all the same)::
 
@@ -1892,10 +1895,11 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
         >>> _ = (folder / "steps.csv").write_text(",".join(CSV_COLUMNS) + "\\n")
         >>> result = RunResult(ExitCode.INTERRUPTED, RunMonitor(), RunPaths.existing(folder), "interrupted",
         ...                    torch.device("cpu"))
-        >>> said = []
-        >>> write_report(Config(), result, said.append)
-        >>> [line.replace(str(folder), "DIR") for line in said]
-        ['warning: could not draw DIR/report.png: DIR/steps.csv: no steps recorded yet, nothing to plot']
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("always")
+        ...     write_report(Config(), result)
+        >>> [str(w.message).replace(str(folder), "DIR") for w in said]
+        ['could not draw DIR/report.png: DIR/steps.csv: no steps recorded yet, nothing to plot']
         >>> sorted(p.name for p in folder.iterdir())
         ['RUN.md', 'steps.csv']
         >>> shutil.rmtree(folder)
@@ -1919,11 +1923,12 @@ def write_report(config: Config, result: RunResult, say: Callable[[str], None]) 
                  title=f"run {paths.dir.name}" if paths.dir is not None else None,
                  headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                  init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
-                 scale_floor=config.scaler.min_scale, note=lambda line: say(f"warning: {line}"),
+                 scale_floor=config.scaler.min_scale,
+                 note=lambda line: warnings.warn(line, AmpguardWarning, stacklevel=2),
                  policy=policy_changes_of(log) if log is not None else (), events_dir=log,
                  scaler_on=result.monitor.scaler_enabled)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
-        say(f"warning: could not draw {paths.plot}: {err}")
+        warnings.warn(f"could not draw {paths.plot}: {err}", AmpguardWarning, stacklevel=2)
         # (a `|` in it is escaped with the card's other cells, _table)
         write_run_card(paths.card, config, result, f"not drawn: {first_line(err)} (`ampguard report` draws it)")
         return

@@ -878,7 +878,7 @@ class Trainer:
             from .report import write_report
 
             try:
-                write_report(self.config, result, self.say)
+                write_report(self.config, result)
             except Exception as err:
                 if disk_full_error(err) is None:
                     raise

@@ -157,10 +157,10 @@ def test_the_machines_load_is_recorded_and_a_busy_one_warned_of(monkeypatch, cap
     assert (data["load_avg"], data["load_above_cpus"]) == (list(load), busy)
     header = captured.err.splitlines()[0]
     assert ", load " + " ".join(f"{x:.2f}" for x in load) in header
-    warned = "warning: the 1-minute load before the bench (99.00) was above the" in captured.err
+    warned = "ampguard: warning: the 1-minute load before the bench (99.00) was above the" in captured.err
     assert warned == busy and ("timings are not to be trusted" in captured.err) == busy
     if busy:  # (after the figures, never before a refusal's one line)
-        assert captured.err.rstrip().splitlines()[-1].startswith("warning: the 1-minute load")
+        assert captured.err.rstrip().splitlines()[-1].startswith("ampguard: warning: the 1-minute load")
 
 
 # ---------------------------------------------------------------- whole JSON through a SIGTERM (#5)

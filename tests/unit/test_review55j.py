@@ -9,6 +9,7 @@ file, holding no row."""
 from __future__ import annotations
 
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from helpers import card_table
 
 from ampguard import report
 from ampguard.config import validate
-from ampguard.errors import ExitCode
+from ampguard.errors import AmpguardWarning, ExitCode
 from ampguard.run_folder import RunPaths, RunResult
 from ampguard.sinks import CSV_COLUMNS, CsvSink, read_steps_csv
 
@@ -57,7 +58,7 @@ def test_the_run_card_is_written_before_the_plot_and_says_a_plot_that_never_fini
 
     monkeypatch.setattr(report, "plot_run", killed)
     with pytest.raises(KeyboardInterrupt):
-        report.write_report(validate({}), ended_run(tmp_path), print)
+        report.write_report(validate({}), ended_run(tmp_path))
     card = card_table((tmp_path / "RUN.md").read_text(encoding="utf-8"))
     assert seen["card"] == (tmp_path / "RUN.md").read_text(encoding="utf-8")
     assert card["plot"] == report.PLOT_BEING_DRAWN and card["per-step CSV"] == "`steps.csv`"
@@ -71,16 +72,18 @@ def test_a_plot_that_fails_is_said_on_the_card_and_one_drawn_is_named(tmp_path, 
     def fails(csv_path, png_path, **kw):
         raise MemoryError("no room for the figure")
 
-    said: list[str] = []
     monkeypatch.setattr(report, "plot_run", fails)
-    report.write_report(validate({}), ended_run(tmp_path), said.append)
-    assert said == [f"warning: could not draw {tmp_path / 'report.png'}: no room for the figure"]
+    with pytest.warns(AmpguardWarning) as said:  # (review 56m: a warning, on stderr, not a bare line on stdout)
+        report.write_report(validate({}), ended_run(tmp_path))
+    assert [str(w.message) for w in said] == [f"could not draw {tmp_path / 'report.png'}: no room for the figure"]
     assert card_table((tmp_path / "RUN.md").read_text(encoding="utf-8"))["plot"] == \
         "not drawn: no room for the figure (`ampguard report` draws it)"
     monkeypatch.setattr(report, "plot_run", real)
-    report.write_report(validate({}), ended_run(tmp_path), said.append)  # (drawn: the card as it always was)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AmpguardWarning)  # (drawn: nothing to say)
+        report.write_report(validate({}), ended_run(tmp_path))  # (drawn: the card as it always was)
     assert card_table((tmp_path / "RUN.md").read_text(encoding="utf-8"))["plot"] == "`report.png`"
-    assert (tmp_path / "report.png").is_file() and len(said) == 1
+    assert (tmp_path / "report.png").is_file()
 
 
 # ---------------------------------------------------------------------------- the plot of a long run
