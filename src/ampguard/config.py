@@ -635,8 +635,7 @@ class MonitorConfig(_Section):
     """
 
     window: Window = 1000
-    """Steps in the rolling skip-rate window (at most ``MAX_WINDOW``, 10**7; about 12 B of memory
-    and 36 B of each checkpoint a step of it)."""
+    """Steps in the rolling skip-rate window (at most ``MAX_WINDOW``, 10**7)."""
     alert_rate: Rate = 0.05
     """Rolling skip rate above which an ALERT is raised, in [0, 1]."""
     clear_rate: Rate | None = None

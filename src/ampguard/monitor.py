@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -77,60 +76,6 @@ def _exact(value: float) -> int:
     return num * (_UNITS // den)
 
 
-_FLAG_VALUES = (0.0, 1.0, math.nan)
-"""A :class:`RollingWindow` code's value (code 2's is the one kept by slot)."""
-
-
-def _code(value: float) -> int:
-    """A :class:`RollingWindow` slot's code: 1 for ``1.0``, 0 for ``0.0`` (``-0.0`` too: it adds
-    nothing either way, and is held as ``0.0``), 2 for any other value."""
-    return 1 if value == 1.0 else 0 if value == 0.0 else 2
-
-
-class FloatRing:
-    """The last ``maxlen`` floats appended, oldest first, 8 bytes each (an ``array('d')``, grown
-    as they come: a ``deque`` of floats cost ~32 B each, review 56c). Indexed from either end,
-    as a ``deque``; :meth:`tolist` gives them in order.
-
-    Example::
-
-        >>> r = FloatRing(3, [1.0, 2.0])
-        >>> for v in (3.0, 4.0):
-        ...     r.append(v)
-        >>> r.tolist(), r[0], r[-1], len(r)
-        ([2.0, 3.0, 4.0], 2.0, 4.0, 3)
-    """
-
-    __slots__ = ("maxlen", "_data", "_start")
-
-    def __init__(self, maxlen: int, values: Any = ()) -> None:
-        if maxlen < 1:
-            raise ValueError(f"FloatRing maxlen must be >= 1, got {maxlen}")
-        self.maxlen = maxlen
-        self._data = array("d", list(values)[-maxlen:])
-        self._start = 0  # the oldest one's slot (0 until the ring is full)
-
-    def append(self, value: float) -> None:
-        data, start = self._data, self._start
-        if len(data) < self.maxlen:
-            data.append(value)
-        else:
-            data[start] = value
-            self._start = start + 1 if start + 1 < self.maxlen else 0
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __getitem__(self, index: int) -> float:
-        n = len(self._data)
-        if not -n <= index < n:
-            raise IndexError("FloatRing index out of range")
-        return self._data[(self._start + index % n) % n]
-
-    def tolist(self) -> list[float]:
-        return self._data[self._start:].tolist() + self._data[:self._start].tolist()
-
-
 # ---------------------------------------------------------------------------- checking a saved state
 # A state comes from a checkpoint file: each load_state_dict checks every field it takes
 # (check_state, which a resume also calls up front, naming the whole field) before it changes
@@ -170,11 +115,6 @@ def _get(state: dict[str, Any], key: str, where: str) -> Any:
 class RollingWindow:
     """The sum of the last ``size`` values pushed, kept exactly in O(1) per push (a ring buffer).
 
-    The ring holds one byte a slot: 0 for ``0.0`` (``-0.0`` too, held as ``0.0``), 1 for ``1.0``
-    (the 0/1 flags the monitor pushes every step), 2 for any other value, which is kept by slot
-    beside it (review 56c: a list of floats cost ~32 B a slot, ~130 B a step of ``monitor.window``
-    over a monitor's windows).
-
     Two averages: ``seen_mean`` divides by the values the window holds (what the monitor
     judges), ``mean`` by ``size`` whether or not the window has filled (steps before the first
     count as zeros).
@@ -195,8 +135,7 @@ class RollingWindow:
         if size < 1:
             raise ValueError(f"window size must be >= 1, got {size}")
         self.size = size
-        self._ring = bytearray(size)  # a code a slot: 0 (0.0), 1 (1.0), 2 (the value in _other)
-        self._other: dict[int, float] = {}  # the values that are not 0.0 or 1.0, by slot
+        self._ring = [0.0] * size
         self._pos = 0
         self.count = 0  # values pushed in all
         self._ones = 0  # the 1.0s the window holds (a skip's, a clip's flag): counted, no big integers
@@ -242,24 +181,17 @@ class RollingWindow:
             >>> w.total, w.count
             (1.0, 3)
         """
-        value, pos, ring = float(value), self._pos, self._ring
-        if value == 1.0:  # (_code, inline: the monitor pushes three flags a step)
-            code = 1
+        value, old = float(value), self._ring[self._pos]
+        if value == 1.0:
             self._ones += 1
-        elif value == 0.0:
-            code = 0
-        else:
-            code = 2
-            self._sum += _exact(value)  # (a NaN raises here, the window as it was)
-        old = ring[pos]
-        if old == 1:
+        elif value:  # (0.0 adds nothing)
+            self._sum += _exact(value)
+        if old == 1.0:
             self._ones -= 1
         elif old:
-            self._sum -= _exact(self._other.pop(pos))
-        if code == 2:
-            self._other[pos] = value
-        ring[pos] = code
-        self._pos = (pos + 1) % self.size
+            self._sum -= _exact(old)
+        self._ring[self._pos] = value
+        self._pos = (self._pos + 1) % self.size
         self.count += 1
 
     @property
@@ -303,10 +235,7 @@ class RollingWindow:
             >>> w.state_dict()
             {'size': 3, 'ring': [1.0, 0.0, 0.0], 'pos': 1, 'count': 1}
         """
-        ring = list(map(_FLAG_VALUES.__getitem__, self._ring))  # (two float objects, shared: 8 B a slot)
-        for pos, value in self._other.items():
-            ring[pos] = value
-        return {"size": self.size, "ring": ring, "pos": self._pos, "count": self.count}
+        return {"size": self.size, "ring": list(self._ring), "pos": self._pos, "count": self.count}
 
     def check_state(self, state: Any, where: str = "") -> None:
         """Raise ``ValueError`` naming the field (after the prefix ``where``) unless ``state`` is
@@ -355,16 +284,11 @@ class RollingWindow:
             True
         """
         self.check_state(state)
-        ring, other = bytearray(self.size), {}
-        for pos, value in enumerate(map(float, state["ring"])):
-            ring[pos] = code = _code(value)
-            if code == 2:
-                other[pos] = value
-        self._ring, self._other = ring, other
+        self._ring = [float(v) for v in state["ring"]]
         self._pos = int(state["pos"])
         self.count = int(state["count"])
-        self._ones = ring.count(1)
-        self._sum = sum(_exact(v) for v in other.values())
+        self._ones = sum(v == 1.0 for v in self._ring)
+        self._sum = sum(_exact(v) for v in self._ring if v != 1.0)
 
 
 @dataclass
@@ -556,7 +480,7 @@ class ScaleHealth:
         self.min_scale = min_scale
         self._floor = round_float32(min_scale)
         # the scale before the window's first step, then the scale after each of its steps
-        self._scales = FloatRing(window + 1, [] if init_scale is None else [float(init_scale)])
+        self._scales: deque[float] = deque([] if init_scale is None else [float(init_scale)], maxlen=window + 1)
         self._skipped = RollingWindow(window)
         self.scale: float | None = init_scale  # the scale before the next step
         self.opening = 0  # length of the run's opening streak of skips (from step 1)
@@ -661,7 +585,7 @@ class ScaleHealth:
     def _judged(self) -> tuple[int, list[float]]:
         """(warm-up skips set aside, the scales judged): the window's scales after the warm-up."""
         warmup, start = self._judged_start()
-        return warmup, self._scales.tolist()[start:]
+        return warmup, list(self._scales)[start:]
 
     def stats(self) -> ScaleStats:
         """The measures the labels are defined by (see :class:`ScaleStats`), over the window.
@@ -799,7 +723,7 @@ class ScaleHealth:
             True
         """
         return {
-            "scales": self._scales.tolist(),
+            "scales": list(self._scales),
             "skipped": self._skipped.state_dict(),
             "scale": self.scale,
             "opening": self.opening,
@@ -893,7 +817,7 @@ class ScaleHealth:
         self.scale = state["scale"]
         if "scales" not in state:  # the older layout: counts of moves, no scales
             count = int(state["windows"]["ups"]["count"])
-            self._scales = FloatRing(self.window + 1, [] if self.scale is None else [float(self.scale)])
+            self._scales = deque([] if self.scale is None else [float(self.scale)], maxlen=self.window + 1)
             self._skipped = RollingWindow(self.window)
             self._skipped.count = count
             self._opening = bool(state["opening"])
@@ -904,7 +828,7 @@ class ScaleHealth:
             self._levels, self._ups, self._downs, self._run = deque(), Counter(), Counter(), (None, 0)
             self._ends = (None, [])
             return
-        self._scales = FloatRing(self.window + 1, [float(s) for s in state["scales"]])
+        self._scales = deque((float(s) for s in state["scales"]), maxlen=self.window + 1)
         self._skipped.load_state_dict(state["skipped"])
         self.opening = int(state["opening"])
         self._opening = bool(state["opening_open"])

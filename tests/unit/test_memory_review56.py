@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import shutil
-import tracemalloc
 import weakref
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from ampguard import checkpoint as ckpt
 from ampguard import checkpointer as ck
 from ampguard import locate, validate
 from ampguard.config import validate as config_of
-from ampguard.monitor import RollingWindow, ScaleHealth
 from ampguard.run_folder import RunPaths
 from ampguard.tasks import build_task
 from ampguard.train import run as train_run
@@ -131,22 +129,3 @@ def test_a_resumed_run_lets_the_checkpoints_weights_and_optimizer_state_go_once_
     assert ck.MODEL not in resume.loaded.payload and ck.OPTIMIZER not in resume.loaded.payload
     result = trainer.run()  # what is read after the restore is still there
     assert int(result.exit_code) == 0 and result.monitor.steps == 4
-
-
-def test_a_monitors_windows_hold_a_few_bytes_a_step_not_a_float_object_each():
-    n = 20_000
-    tracemalloc.start()
-    try:
-        start = tracemalloc.get_traced_memory()[0]
-        window, health = RollingWindow(n), ScaleHealth(n, init_scale=2.0**16)
-        for i in range(n):
-            skipped = i % 50 == 0
-            window.push(float(skipped))
-            health.push(2.0**15 if skipped else 2.0**16, skipped)
-        held = tracemalloc.get_traced_memory()[0] - start
-    finally:
-        tracemalloc.stop()
-    # two flag windows (the skip window, the health's own) and the scales: 1 + 1 + 8 B a step (it was
-    # ~72 here: a list slot and a float object a flag, 32 B each, and a deque slot a scale)
-    assert held / n < 16, held / n
-    assert window.total == health._skipped.total == 400.0
