@@ -142,6 +142,9 @@ class Loaded:
 
     path: Path
     payload: dict[str, Any]
+    let_go: bool = False
+    """True once a :class:`~ampguard.trainer.Trainer` restored it and let go of its model and
+    optimizer parts (review 56c: a resumed run held them to its end); a second restore is refused."""
 
     @property
     def step(self) -> int:

@@ -635,7 +635,8 @@ class MonitorConfig(_Section):
     """
 
     window: Window = 1000
-    """Steps in the rolling skip-rate window (at most ``MAX_WINDOW``, 10**7)."""
+    """Steps in the rolling skip-rate window (at most ``MAX_WINDOW``, 10**7; about 130 B of memory
+    and 36 B of each checkpoint a step of it)."""
     alert_rate: Rate = 0.05
     """Rolling skip rate above which an ALERT is raised, in [0, 1]."""
     clear_rate: Rate | None = None

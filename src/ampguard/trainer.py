@@ -219,6 +219,9 @@ class Trainer:
             self.rollbacks.evidence = TriggerBatches(self.state)
         self.checkpointer.parts[ck.ROLLBACKS] = self.rollbacks
         if resume is not None:  # still nothing written: a checkpoint that does not fit is one line
+            if resume.loaded.let_go:  # (a caller's retry with the same Resume: review 56n)
+                raise ValueError(f"{resume.path}: this Resume was restored by a Trainer already, which let go of "
+                                 "its weights and optimizer state: read it again (checkpointer.find_resume)")
             problem = None
             try:
                 other_data(resume.loaded.payload, resume.loaded.path.name, self.task.data_id)
@@ -238,6 +241,7 @@ class Trainer:
             # after (policy, autocast dtypes, throughput, data position, config) stays, a rollback reloads
             for part in (ck.MODEL, ck.OPTIMIZER):
                 resume.loaded.payload.pop(part, None)
+            resume.loaded.let_go = True
             ck.lrs_from_schedule(self.state.optimizer, self.state.scheduler)
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []

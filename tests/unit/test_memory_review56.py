@@ -129,3 +129,11 @@ def test_a_resumed_run_lets_the_checkpoints_weights_and_optimizer_state_go_once_
     assert ck.MODEL not in resume.loaded.payload and ck.OPTIMIZER not in resume.loaded.payload
     result = trainer.run()  # what is read after the restore is still there
     assert int(result.exit_code) == 0 and result.monitor.steps == 4
+    # review 56n: a second Trainer given the same Resume (a caller's retry) met a model of None and refused
+    # a sound checkpoint as one that does not fit; it is told the Resume was used, and how to read it again
+    with pytest.raises(ValueError, match=r"this Resume was restored by a Trainer already, .*find_resume"):
+        Trainer(config, outputs=lambda: RunPaths.existing(run), console_every=10**6, stats_every=None,
+                print_fn=lambda line: None, progress=False, resume=resume)
+    again = Trainer(config, outputs=lambda: RunPaths.existing(run), console_every=10**6, stats_every=None,
+                    print_fn=lambda line: None, progress=False, resume=ck.find_resume(run))
+    assert again.resume is not None and again.resume.loaded.let_go
