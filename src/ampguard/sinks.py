@@ -1910,11 +1910,13 @@ class BackgroundSink:
     ``write`` starts the record's device-to-host copy (non-blocking, into pinned memory on
     CUDA) and queues it; the thread waits for that copy, not the training loop, then hands the
     record to ``inner``. ``close`` drains the queue (also after Ctrl-C: the loop's ``finally``
-    closes its sinks; and at the interpreter's exit, for a sink nobody closed: a loop that
-    crashed), so every row written so far reaches the file. A sink nobody closed that nothing
-    refers to any more (a notebook cell that made one, run again) is collected: its thread writes
-    what is queued, closes ``inner`` and ends (an error left is one line on stderr), the exit
-    waiting for it (:data:`DRAIN_AT_EXIT_S` at most). An error in the thread is raised by
+    closes its sinks), so every row written so far reaches the file. A sink nobody closed that
+    nothing refers to any more (a notebook cell that made one, run again) is collected: its
+    thread writes what is queued, closes ``inner`` and ends (an error left is one line on
+    stderr); at the interpreter's exit so does one still referred to (a loop that crashed). The
+    exit waits for those threads, :data:`DRAIN_AT_EXIT_S` at most for all of them (a stalled
+    inner sink, or a Ctrl-C in the wait: one line a sink, with the records it loses); your own
+    ``close()`` waits as long as it takes. An error in the thread is raised by
     the next ``write`` or by ``close``, and no record after the one that failed is written (a CSV
     never has a hole): every later ``write`` is refused, naming it. A write after ``close`` is
     refused too. A SIGKILL loses the records still queued (at most ``max_pending``; a
@@ -1954,7 +1956,7 @@ class BackgroundSink:
         atexit.register(self._at_exit)
         # (SimpleQueue.put is reentrant: safe from a finalizer whatever the thread that collects the sink holds)
         self._finalizer = weakref.finalize(self, _dropped_unclosed, self._writing, self._thread, self._at_exit)
-        self._finalizer.atexit = False  # (at exit, _close_at_exit drains and closes, waiting for the thread)
+        self._finalizer.atexit = False  # (at exit, _close_at_exit has the thread drain and close; it waits, bounded)
 
     @property
     def _error(self) -> BaseException | None:
@@ -2058,10 +2060,12 @@ def _write_in_background(writing: _Writing) -> None:
                 writing.inner.close()
             except BaseException as err:  # noqa: BLE001 - nobody to raise it to: said
                 writing.error = writing.error or err
-            if writing.error is not None:
-                print(f"ampguard: a BackgroundSink dropped without close() could not write all its records: "
-                      f"{first_line(writing.error)}", file=sys.stderr)
-            _DRAINING.pop(threading.current_thread(), None)  # (all written: the exit need not wait for it)
+            try:
+                if writing.error is not None:
+                    print(f"ampguard: a BackgroundSink nobody closed could not write all its records: "
+                          f"{first_line(writing.error)}", file=sys.stderr)
+            finally:  # (in _DRAINING means still at work: the exit says it lost what it had not written)
+                _DRAINING.pop(threading.current_thread(), None)  # (all written: the exit need not wait for it)
             return
         if callable(item):  # a barrier (begin_again): every record queued before it is written
             item()
@@ -2080,55 +2084,107 @@ def _write_in_background(writing: _Writing) -> None:
 
 
 DRAIN_AT_EXIT_S = 30.0
-"""How long the interpreter's exit waits, all together, for the writer threads of background
-sinks dropped unclosed that are still writing what was queued (an inner sink that stalled, a hung
-network disk, must not hang the exit for good: what is left is said lost, one line a sink)."""
+"""How long the interpreter's exit waits, all together, for the writer threads of the background
+sinks nobody closed (dropped unclosed, or still referred to at exit: a loop that crashed, whose
+uncaught exception's traceback keeps it, a module's global) that are still writing what was
+queued (an inner sink that stalled, a hung network disk, must not hang the exit for good: what
+is left is said lost, one line a sink). A ``close()`` of yours waits for its thread unbounded."""
 
 _DRAINING: dict[threading.Thread, _Writing] = {}
-"""The writer threads of sinks dropped unclosed that have not written all they were given yet
-(each takes itself out once it has): daemon threads, which the exit would stop mid-queue (a loop
-that crashed and whose caller returned at once lost up to ``max_pending`` rows: review 56a), so
+"""The writer threads of sinks nobody closed that have not written all they were given yet (each
+takes itself out once it has): daemon threads, which the exit would stop mid-queue (a loop that
+crashed and whose caller returned at once lost up to ``max_pending`` rows: review 56a), so
 :func:`_join_draining` waits for them. Only while they write: a notebook keeps nothing of them."""
+
+_exit_wait_left: float | None = None
+"""How long the exit may still wait for writer threads, all its waits together: :data:`DRAIN_AT_EXIT_S`
+at its first (one bound for every sink: review 56l, a sink still referred to at exit was joined
+with none; the time other exit hooks take in between is not counted), ``0`` once a Ctrl-C cut a
+wait (:data:`_exit_cut`); ``None`` outside the exit."""
+_exit_cut = False
 
 
 def _dropped_unclosed(writing: _Writing, thread: threading.Thread, at_exit: Callable[[], None]) -> None:
-    """A :class:`BackgroundSink` collected unclosed (a notebook cell run again, a loop that crashed):
-    its thread writes what is queued, closes the inner sink and ends; the exit waits for it
-    (:func:`_join_draining`) instead of closing the sink."""
+    """A :class:`BackgroundSink` collected unclosed (a notebook cell run again, a loop that crashed),
+    or still referred to at exit (:func:`_close_at_exit`): its thread writes what is queued, closes
+    the inner sink and ends; the exit waits for it (:func:`_join_draining`, within
+    :data:`DRAIN_AT_EXIT_S`) instead of closing the sink."""
     if thread.is_alive():  # (before the mark: the thread takes itself out once it has passed it)
         _DRAINING[thread] = writing
     writing.queue.put(_DROPPED)
     atexit.unregister(at_exit)
 
 
+def _wait_at_exit(threads: Iterable[threading.Thread]) -> None:
+    """At exit, wait for the writer ``threads`` within the exit's one bound (:data:`_exit_wait_left`).
+    A Ctrl-C ends the wait, and every wait after it: each sink still writing is then said by
+    :func:`_join_draining`, not a traceback (review 56l)."""
+    global _exit_wait_left, _exit_cut
+    if _exit_wait_left is None:
+        _exit_wait_left = DRAIN_AT_EXIT_S
+    for thread in threads:
+        began = time.monotonic()
+        try:
+            thread.join(timeout=max(0.0, _exit_wait_left))
+        except KeyboardInterrupt:
+            _exit_wait_left, _exit_cut = 0.0, True
+            return
+        _exit_wait_left -= time.monotonic() - began
+
+
+def _lost_at_exit(writing: _Writing) -> str:
+    """The line for a sink whose writer thread had not ended when the exit stopped waiting: what
+    it loses, or, every record written, that its inner sink's ``close()`` stalled."""
+    inner = writing.inner
+    named = type(inner).__name__ + (f" {shown(inner.path)}" if isinstance(getattr(inner, "path", None), Path) else "")
+    when = "when a Ctrl-C cut the exit's wait" if _exit_cut else f"at exit after {DRAIN_AT_EXIT_S:g} s"
+    if writing.queued == writing.written:  # (an fsync on a hung disk: nothing is lost that a line could count)
+        return (f"ampguard: a BackgroundSink nobody closed was still closing its {named} {when} (every record "
+                f"written{'' if _exit_cut else '; its close() stalled: a hung disk?'})")
+    if _exit_cut:
+        return (f"ampguard: a BackgroundSink nobody closed was still writing to its {named} {when}: it loses its "
+                f"last {counted(writing.queued - writing.written, 'record')}")
+    return (f"ampguard: a BackgroundSink nobody closed was still writing {when} (its {named} stalled: a hung "
+            f"disk?): it loses its last {counted(writing.queued - writing.written, 'record')}")
+
+
 @atexit.register  # (at import: run after every sink's own at-exit close, registered later)
 def _join_draining() -> None:
-    """At the interpreter's exit, the threads of sinks dropped unclosed write what they were given
+    """At the interpreter's exit, the threads of sinks nobody closed write what they were given
     (:data:`_DRAINING`), for :data:`DRAIN_AT_EXIT_S` at most all together; a sink whose thread is
-    still writing then is said, once, with the records it loses."""
-    deadline = time.monotonic() + DRAIN_AT_EXIT_S
-    for thread, state in list(_DRAINING.items()):
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if thread.is_alive() and _DRAINING.pop(thread, None) is not None:
-            inner = state.inner
-            named = type(inner).__name__ + (f" {shown(inner.path)}" if isinstance(getattr(inner, "path", None), Path)
-                                            else "")
-            print(f"ampguard: a BackgroundSink dropped without close() was still writing at exit after "
-                  f"{DRAIN_AT_EXIT_S:g} s (its {named} stalled: a hung disk?): it loses its last "
-                  f"{counted(state.queued - state.written, 'record')}", file=sys.stderr)
+    still writing then (or when a Ctrl-C cut the wait) is said, once, with the records it loses."""
+    global _exit_wait_left, _exit_cut
+    _wait_at_exit(list(_DRAINING))
+    # (still in _DRAINING: still at work, each takes itself out as it ends; not is_alive(), which a join a Ctrl-C
+    # cut leaves False for a thread still running, its lock released by the interrupted join)
+    for thread in list(_DRAINING):
+        if (state := _DRAINING.pop(thread, None)) is not None:
+            print(_lost_at_exit(state), file=sys.stderr)
+    _exit_wait_left, _exit_cut = None, False  # (the exit's last: nothing waits after it)
 
 
 def _close_at_exit(ref: weakref.ReferenceType[BackgroundSink]) -> None:
-    """At the interpreter's exit, a :class:`BackgroundSink` nobody closed writes what is queued and
-    closes (a loop that crashed: its rows up to the crash reach the file); an error is one line."""
+    """At the interpreter's exit, a :class:`BackgroundSink` nobody closed that is still referred to
+    (a loop that crashed, whose uncaught exception's traceback keeps it; a module's global) writes
+    what is queued and closes its inner sink from its thread, as a dropped one does, and the exit
+    waits for it here (what it runs next, a tracker's own end, finds it closed), within the exit's
+    one bound: its ``close()`` joined a stalled thread with none, a hung exit (review 56l). An error
+    is one line."""
     sink = ref()
     if sink is None:
         return
-    try:
-        sink.close()
-    except BaseException as err:  # noqa: BLE001 - at exit: said, nothing to raise to
-        print(f"ampguard: BackgroundSink could not write its last records at exit: {first_line(err)}",
-              file=sys.stderr)
+    thread = sink._thread
+    if not thread.is_alive():  # (a forked child: the thread stayed in the parent; nothing to wait for)
+        try:
+            sink.close()
+        except BaseException as err:  # noqa: BLE001 - at exit: said, nothing to raise to
+            print(f"ampguard: BackgroundSink could not write its last records at exit: {first_line(err)}",
+                  file=sys.stderr)
+        return
+    sink._closed = True
+    sink._finalizer()  # (_dropped_unclosed, once: the thread writes the queue, closes inner, says an error)
+    del sink
+    _wait_at_exit([thread])
 
 
 def newly_lost(sinks: Sequence[Any], told: list[Any]) -> list[str]:

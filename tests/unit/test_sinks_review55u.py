@@ -63,6 +63,6 @@ def test_a_dropped_background_sinks_error_nobody_raised_is_one_line_on_stderr(tm
     gc.collect()
     thread.join(timeout=30)
     assert not thread.is_alive()
-    assert capfd.readouterr().err == ("ampguard: a BackgroundSink dropped without close() could not write all its "
+    assert capfd.readouterr().err == ("ampguard: a BackgroundSink nobody closed could not write all its "
                                       "records: [Errno 28] No space left on device\n")
     assert [row["step"] for row in read_rows(tmp_path / "steps.csv")] == ["1"]
