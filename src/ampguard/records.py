@@ -6,6 +6,7 @@ calls :meth:`StepRecord.values`, which copies every tensor field to the host in 
 
 from __future__ import annotations
 
+import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -475,6 +476,60 @@ def strict_json(value: Any) -> Any:
         return {k: strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [strict_json(v) for v in value]
+    return value
+
+
+def non_finite_at(value: Any) -> list[list[str | int]]:
+    """Where :func:`strict_json` writes a string for a non-finite float in ``value``: each the keys
+    (as JSON writes a key: ``1`` is ``"1"``) and list indices that lead to it from the top, for a
+    file that keeps them beside the value, so its reader turns back those strings and none of the
+    user's (:func:`non_finite_back`; review 56l: a monitor's ``best=inf`` came back ``"inf"``).
+
+    Example::
+
+        >>> non_finite_at({"a": [1.5, float("nan")], "b": {"c": float("-inf"), 2: "inf"}})
+        [['a', 1], ['b', 'c']]
+    """
+    found: list[list[str | int]] = []
+
+    def walk(value: Any, at: list[str | int]) -> None:
+        if isinstance(value, float) and not math.isfinite(value):  # (strict_json's own test)
+            found.append(at)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, [*at, key if isinstance(key, str) else json.dumps(key)])
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, [*at, index])
+
+    walk(value, [])
+    return found
+
+
+def non_finite_back(value: Any, paths: Any) -> Any:
+    """``value`` as read back from :func:`strict_json`'s JSON, the strings it wrote at ``paths``
+    (:func:`non_finite_at`) turned back into the floats, in place; any other string stays as it
+    is. Raises ``ValueError`` for a path that leads to no such string (a file edited by hand).
+
+    Example::
+
+        >>> non_finite_back({"a": [1.5, "nan"], "b": {"c": "-inf", "2": "inf"}}, [["a", 1], ["b", "c"]])
+        {'a': [1.5, nan], 'b': {'c': -inf, '2': 'inf'}}
+    """
+    if not isinstance(paths, list):
+        raise ValueError(f"its non-finite numbers' places are not a list: {paths!r}")
+    for path in paths:
+        try:
+            *to, last = path
+            holder = value
+            for step in to:
+                holder = holder[step]
+            written = holder[last]
+            if not isinstance(written, str) or written not in NON_FINITE_WRITTEN or isinstance(last, bool):
+                raise ValueError
+            holder[last] = NON_FINITE_WRITTEN[written]
+        except (ValueError, TypeError, KeyError, IndexError):
+            raise ValueError(f"its non-finite number at {path!r} is not there") from None
     return value
 
 

@@ -54,7 +54,7 @@ from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
 from ..precision import Precision, check_scaler_settings, loss_scaler_runs, take_over_stock_scale
-from ..records import SkipLog, StepLog, StepRecord, numbers_back, strict_json
+from ..records import SkipLog, StepLog, StepRecord, non_finite_at, non_finite_back, numbers_back, strict_json
 from ..signals import Interrupted, StopFlag, console_line, stop_on_signals
 from ..sinks import CsvSink, Sink, aside_taken_back, newly_lost, set_aside
 from ..step import Frozen, Guard, SchedulerOnSkip, check_settings, holds_gradients
@@ -171,16 +171,24 @@ def precision_of(args: Any) -> str:
 
 
 def _state_numbers_back(saved: Any) -> Any:
-    """An ``ampguard_state.json`` as read, the monitor's last record and held-out metrics (the two
-    fields of its state that may hold a non-finite number: a skipped step's inf gradient norm, a
-    NaN loss) with the ``"inf"``/``"-inf"``/``"nan"`` strings :func:`~ampguard.records.strict_json`
-    wrote for them read back as floats (a state written before, with ``Infinity``, reads as it did).
+    """An ``ampguard_state.json`` as read, each ``"inf"``/``"-inf"``/``"nan"`` string
+    :func:`~ampguard.records.strict_json` wrote for a non-finite float read back as the float: at
+    the places its ``non_finite`` lists (:func:`~ampguard.records.non_finite_at`: a skipped step's
+    inf gradient norm, a monitor of yours on the guard whose ``best`` is inf; a string of yours
+    stays a string), taken out of the state. A state written before those places were kept
+    (review 56l) has them read back in the two fields of the monitor's state whose values are
+    numbers alone, its last record and held-out metrics; one written with ``Infinity`` reads as it did.
 
     Example::
 
+        >>> _state_numbers_back({"guard": {"monitors": {"best": {"best": "inf", "name": "inf"}}},
+        ...                      "non_finite": [["guard", "monitors", "best", "best"]]})
+        {'guard': {'monitors': {'best': {'best': inf, 'name': 'inf'}}}}
         >>> _state_numbers_back({"guard": {}, "monitor": {"last": {"loss": "nan"}, "eval_last": {"acc": 0.5}}})
         {'guard': {}, 'monitor': {'last': {'loss': nan}, 'eval_last': {'acc': 0.5}}}
     """
+    if isinstance(saved, dict) and "non_finite" in saved:
+        return non_finite_back(saved, saved.pop("non_finite"))
     monitor = saved.get("monitor") if isinstance(saved, dict) else None
     if isinstance(monitor, dict):
         saved["monitor"] = {**monitor, **{k: numbers_back(monitor[k]) for k in ("last", "eval_last") if k in monitor}}
@@ -1284,7 +1292,10 @@ class GuardedTrainer(Trainer):
         path = Path(output_dir) / STATE_NAME
         # strict JSON: a skipped step's record holds an inf gradient norm or a NaN loss, which json.dumps wrote as
         # Infinity/NaN, what JSON.parse, polars or jq cannot read (review 56d): "inf"/"nan", read back by
-        # _load_scaler (_state_numbers_back). Replaced whole: a reader never sees half a file
+        # _load_scaler (_state_numbers_back), at the places "non_finite" lists (any in the state: a monitor of the
+        # user's on the guard, best=inf, came back "inf", review 56l; a string of theirs stays a string). Replaced
+        # whole: a reader never sees half a file
+        state["non_finite"] = non_finite_at(state)
         replace_atomically(path, json.dumps(strict_json(state), indent=1, allow_nan=False) + "\n")
 
     def _load_scaler(self, checkpoint: str | None) -> None:
