@@ -280,6 +280,46 @@ def _needs_arguments(scheduler: Any) -> str:
     return ""
 
 
+def _forwarded_needs(scheduler: Any) -> tuple[Any, str]:
+    """The scheduler whose ``step()`` needs arguments that ``scheduler.step()`` called bare cannot
+    give it, and those named (:func:`_needs_arguments`): ``scheduler`` itself, or, where its
+    ``step`` only hands on what it is given (``*args``/``**kwargs``: a wrapper of yours, Accelerate's
+    ``AcceleratedScheduler``), the one it wraps, its ``.scheduler`` or ``.__wrapped__`` (review 56l:
+    a timm scheduler so wrapped was taken, and its first step raised after the update was applied).
+    ``(scheduler, '')`` when none can be told: a wrapper is judged by its own signature past that.
+
+    Example::
+
+        >>> class Timm:
+        ...     def step(self, epoch, metric=None): ...
+        >>> class Wrapper:
+        ...     def __init__(self, scheduler): self.scheduler = scheduler
+        ...     def step(self, *args, **kwargs): return self.scheduler.step(*args, **kwargs)
+        >>> inner, needed = _forwarded_needs(Wrapper(Timm()))
+        >>> type(inner).__name__, needed
+        ('Timm', "'epoch'")
+    """
+    found, needed = scheduler, _needs_arguments(scheduler)
+    for _ in range(8):  # (wrappers of wrappers; a cycle ends here)
+        if needed or not _forwards(found):
+            break
+        inner = next((inner for inner in (getattr(found, "scheduler", None), getattr(found, "__wrapped__", None))
+                      if inner is not None and inner is not found and callable(getattr(inner, "step", None))), None)
+        if inner is None:
+            break
+        found, needed = inner, _needs_arguments(inner)
+    return (found, needed) if needed else (scheduler, "")
+
+
+def _forwards(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` takes any arguments it is given (``*args`` or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) for param in parameters)
+
+
 def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
     """Which optimizer each scheduler drives: a dict by name, else by the scheduler's own
     ``.optimizer`` (any scheduler object, when there is one optimizer)."""
@@ -315,8 +355,11 @@ def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer])
         if isinstance(_inner_scheduler(sched), torch.optim.lr_scheduler.ReduceLROnPlateau):  # (prepared too)
             raise ValueError("ReduceLROnPlateau steps on a metric the guard does not have: step it yourself, after "
                              "your evaluation (the guard steps only schedulers that take no argument)")
-        if (needed := _needs_arguments(sched)):  # (timm's step(epoch): the first step raised, its update applied)
-            raise ValueError(f"scheduler {type(sched).__name__}: its step() needs an argument ({needed}) and the "
+        needing, needed = _forwarded_needs(sched)
+        if needed:  # (timm's step(epoch), or a wrapper handing on to one: the first step raised, its update applied)
+            whose = "its step()" if needing is sched else (
+                f"its step() hands its arguments to the {type(needing).__name__} it wraps, whose step()")
+            raise ValueError(f"scheduler {type(sched).__name__}: {whose} needs an argument ({needed}) and the "
                              "guard calls step() with none after each applied update; pass a scheduler stepped "
                              "per update with no argument (a torch LambdaLR, say), or no scheduler= and step yours "
                              "after guard.step() (timm: scheduler.step_update(guard.updates))")
