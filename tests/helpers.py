@@ -15,6 +15,7 @@ import signal
 import struct
 import sys
 import textwrap
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,23 @@ from torch.overrides import TorchFunctionMode
 
 from ampguard.checkpoint import REQUIRED
 from ampguard.cli import main
+from ampguard.sinks import CsvSink
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository."""
+
+
+class GatedCsv(CsvSink):
+    """A CSV whose writes wait for ``gate`` (a hung disk until it is set: rows stay queued in a
+    :class:`~ampguard.sinks.BackgroundSink` in front of it)."""
+
+    def __init__(self, path: Path, gate: threading.Event) -> None:
+        super().__init__(path)
+        self.gate = gate
+
+    def write(self, record: Any, extra: Any = None) -> None:
+        assert self.gate.wait(timeout=60)
+        super().write(record, extra)
 
 
 class HostReads(TorchFunctionMode):

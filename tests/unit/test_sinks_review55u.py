@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 
-from helpers import read_rows
+from helpers import GatedCsv, read_rows
 
 from ampguard import CsvSink, StepLog
 from ampguard.sinks import BackgroundSink
@@ -17,22 +17,10 @@ def _record(step: int) -> StepLog:
     return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
 
 
-class _Gated(CsvSink):
-    """A CSV whose writes wait for ``gate``: the rows are still queued when the sink is dropped."""
-
-    def __init__(self, path, gate: threading.Event) -> None:
-        super().__init__(path)
-        self.gate = gate
-
-    def write(self, record, extra=None) -> None:
-        assert self.gate.wait(timeout=60)
-        super().write(record, extra)
-
-
 def test_a_background_sink_dropped_unclosed_writes_its_queue_closes_its_file_and_ends(tmp_path):
     gate, threads, inners = threading.Event(), [], []
     for run in range(3):  # (the notebook cell `bg = BackgroundSink(CsvSink(...))`, run three times)
-        bg = BackgroundSink(_Gated(tmp_path / f"steps{run}.csv", gate))
+        bg = BackgroundSink(GatedCsv(tmp_path / f"steps{run}.csv", gate))
         for step in (1, 2, 3):
             bg.write(_record(step))
         threads.append(bg._thread)

@@ -11,7 +11,7 @@ import sys
 import threading
 
 import warm
-from helpers import read_rows
+from helpers import GatedCsv, read_rows
 
 from ampguard import CsvSink, StepLog, sinks
 from ampguard.sinks import BackgroundSink
@@ -54,22 +54,10 @@ def test_a_sink_dropped_unclosed_just_before_the_exit_writes_every_row_it_was_gi
     assert [int(row["step"]) for row in read_rows(tmp_path / "steps.csv")] == list(range(1, 301))
 
 
-class _Gated(CsvSink):
-    """A CSV whose writes wait for ``gate`` (a hung disk, until it is set)."""
-
-    def __init__(self, path, gate: threading.Event) -> None:
-        super().__init__(path)
-        self.gate = gate
-
-    def write(self, record, extra=None) -> None:
-        assert self.gate.wait(timeout=60)
-        super().write(record, extra)
-
-
 def test_the_exit_waits_for_a_stalled_dropped_sink_a_bounded_time_then_says_what_it_loses(tmp_path, capfd,
                                                                                           monkeypatch):
     gate = threading.Event()
-    bg = BackgroundSink(_Gated(tmp_path / "steps.csv", gate))
+    bg = BackgroundSink(GatedCsv(tmp_path / "steps.csv", gate))
     for step in (1, 2, 3):
         bg.write(_record(step))
     thread = bg._thread
