@@ -69,7 +69,7 @@ def test_the_exit_waits_for_a_stalled_dropped_sink_a_bounded_time_then_says_what
         assert thread.is_alive()  # (not waited for beyond the bound)
         assert capfd.readouterr().err == (
             "ampguard: a BackgroundSink nobody closed was still writing at exit after 0.1 s (its "
-            f"_Gated {tmp_path / 'steps.csv'} stalled: a hung disk?): it loses its last 3 records\n")
+            f"GatedCsv {tmp_path / 'steps.csv'} stalled: a hung disk?): it loses its last 3 records\n")
         sinks._join_draining()  # (said once)
         assert capfd.readouterr().err == ""
     finally:
