@@ -24,6 +24,13 @@ from pathlib import Path
 # taken from the tests' own processes and the early jobs.
 for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+# The tests that compute with more than one thread (the bench pins the usable CPUs, two here; the
+# benchmark scripts' --threads) have OpenMP's threads sleep, not spin, between ops: spinning, each
+# one's second thread burned a core the other worker and the early jobs needed, and under load
+# every op waited for a thread descheduled mid-spin (tests/unit/test_bench.py in one process:
+# 27-39 s -> 14-16 s of CPU, 54-72 s -> 13-15 s of wall). Read by libgomp as torch loads it,
+# below; what a test checks is the thread count, which this leaves as it was.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402 - after the thread counts
 import torch  # noqa: E402
