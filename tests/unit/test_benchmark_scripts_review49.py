@@ -3,9 +3,9 @@
 Each bad value must give exit 2 with one line on stderr (argparse's usage error, without the
 usage block), no traceback, nothing on stdout and nothing written; ``train_vs_bare.py`` leaves an
 existing file at ``--out`` byte for byte as it was. No case times anything: bad input is refused
-before the first run. To stay fast, each script's cases run in one subprocess (a driver runs the
-script as ``__main__`` once per case, its exit code and output caught); two cases also run as
-processes of their own.
+before the first run. To stay fast, each script's cases run in one process, forked warm
+(tests/warm.py: torch imported already; a driver runs the script as ``__main__`` once per case,
+its exit code and output caught); two cases also run as processes of their own, started afresh.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -105,7 +106,7 @@ def _tree(tmp: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
-    """Each script's cases, run in one subprocess: ``{script: (results, tmp, files before, files after)}``."""
+    """Each script's cases, run in one process forked warm: ``{script: (results, tmp, files before, files after)}``."""
     done = {}
     for script, cases in SCRIPTS.items():
         if script == "lightning_plugin.py" and importlib.util.find_spec("lightning") is None:
@@ -114,8 +115,8 @@ def ran(tmp_path_factory):
         _outs(tmp)
         before = _tree(tmp)
         argv = [[a.replace("{tmp}", str(tmp)) for a in args] for args, _ in cases]
-        proc = subprocess.run([sys.executable, "-c", DRIVER, str(BENCHMARKS / script), json.dumps(argv)],
-                              capture_output=True, text=True, env=ENV, cwd=tmp, timeout=300)
+        proc = warm.run([sys.executable, "-c", DRIVER, str(BENCHMARKS / script), json.dumps(argv)],
+                        capture_output=True, text=True, env=ENV, cwd=tmp, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         done[script] = (json.loads(proc.stdout.splitlines()[-1]), tmp, before, _tree(tmp), proc.stderr)
     return done

@@ -2,8 +2,9 @@
 tested against, pyproject's ``test``) cannot be imported is a failure, not a skip: CI installs
 them, so a broken install turned whole integration modules into skips and the suite stayed green.
 Without CI a missing extra still skips (a developer without, say, torchao). Each case runs a few
-tiny test files in a pytest of its own, with tests/conftest.py as a plugin (its hooks do it) and
-the extras hidden as if not installed."""
+tiny test files in a pytest of its own (a process forked warm, tests/warm.py: torch, which the
+conftest imports, imported already; the extras are not), with tests/conftest.py as a plugin (its
+hooks do it) and the extras hidden as if not installed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -56,10 +58,10 @@ def _pytest(folder: Path, ci: str | None) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join([str(folder), str(TESTS), str(TESTS.parent / "src"), env.get("PYTHONPATH", "")])
     if ci is not None:
         env["CI"] = ci
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
-                           "-p", "conftest", "-p", "hide_extras", "--continue-on-collection-errors", "-rA", "-q",
-                           "--rootdir", str(folder), str(folder)],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    return warm.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
+                     "-p", "conftest", "-p", "hide_extras", "--continue-on-collection-errors", "-rA", "-q",
+                     "--rootdir", str(folder), str(folder)],
+                    cwd=folder, env=env, capture_output=True, text=True, timeout=120)
 
 
 def _outcomes(done: subprocess.CompletedProcess) -> dict[str, str]:
