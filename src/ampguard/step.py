@@ -267,9 +267,8 @@ def _needs_arguments(scheduler: Any) -> str:
         ...     torch.optim.SGD([nn.Parameter(torch.zeros(1))]), lambda n: 1.0))
         ("'epoch'", '')
     """
-    try:
-        signature = inspect.signature(scheduler.step)
-    except (TypeError, ValueError):
+    signature = _step_signature(scheduler)
+    if signature is None:
         return ""
     try:
         signature.bind()
@@ -313,11 +312,17 @@ def _forwarded_needs(scheduler: Any) -> tuple[Any, str]:
 
 def _forwards(scheduler: Any) -> bool:
     """Whether ``scheduler.step`` takes any arguments it is given (``*args`` or ``**kwargs``)."""
+    signature = _step_signature(scheduler)
+    return signature is not None and any(param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+                                         for param in signature.parameters.values())
+
+
+def _step_signature(scheduler: Any) -> inspect.Signature | None:
+    """``scheduler.step``'s signature; None where none can be read (a step of C)."""
     try:
-        parameters = inspect.signature(scheduler.step).parameters.values()
+        return inspect.signature(scheduler.step)
     except (TypeError, ValueError):
-        return False
-    return any(param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) for param in parameters)
+        return None
 
 
 def _schedulers_of(scheduler: Any, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, list[Any]]:
