@@ -106,7 +106,10 @@ def _server() -> Any:
     from multiprocessing import forkserver
 
     _context()
-    forkserver.ensure_running()
+    # (the instance's: a child that shares its parent's forkserver has it do nothing; the module's
+    # ``forkserver.ensure_running`` is the method bound at import, which started a second one there:
+    # each early job's own forkserver, ~6 s of CPU importing torch again, its scripts forked from it)
+    forkserver._forkserver.ensure_running()
     return forkserver._forkserver
 
 
@@ -197,11 +200,12 @@ def _stream(fd: int, name: str, *, unbuffered: bool, encoding: str, errors: str)
     return text
 
 
-def _unforked(share_server: bool) -> None:  # pragma: no cover - in the child
+def _unforked(shared: int | None) -> None:  # pragma: no cover - in the child
     """Take back what ``multiprocessing`` made of this process (a child of the forkserver) from what a
     fresh interpreter is: its main process, with no parent and no children, ``fork`` its default
-    way to start one (a ``DataLoader``'s workers), no hold on the forkserver; or, ``share_server``,
-    the forkserver kept for this process's own :class:`Popen` (an early job's scripts)."""
+    way to start one (a ``DataLoader``'s workers), no hold on the forkserver; or, ``shared`` (the
+    forkserver's pid, which its children are not told), the forkserver kept for this process's own
+    :class:`Popen` and :func:`server_address` (an early job's scripts and torchrun workers)."""
     from multiprocessing import context, forkserver, process
 
     process._current_process = _MAIN_PROCESS()
@@ -210,8 +214,9 @@ def _unforked(share_server: bool) -> None:  # pragma: no cover - in the child
     context._default_context._actual_context = None
     server = forkserver._forkserver
     server._inherited_fds = None
-    if share_server:  # (its address and hold are this process's already: nothing to start)
+    if shared is not None:  # (its address and hold are this process's already: nothing to start)
         server.ensure_running = lambda: None
+        server._forkserver_pid = shared
         return
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
@@ -220,7 +225,7 @@ def _unforked(share_server: bool) -> None:  # pragma: no cover - in the child
 
 def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cover - in the child
     """Become the process ``spec`` describes, run its command, end as the interpreter does."""
-    _unforked(spec["share_server"])
+    _unforked(spec["shared"])
     os.chdir(spec["cwd"])
     os.environ.clear()
     os.environ.update(spec["env"])
@@ -228,8 +233,8 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         os.setsid()
     elif spec["group"]:
         os.setpgid(0, 0)
-    if spec["nice"]:
-        os.nice(spec["nice"])
+    if spec["nice"] > os.getpriority(os.PRIO_PROCESS, 0):  # (the forkserver's is its starter's: 0 in the suite)
+        os.setpriority(os.PRIO_PROCESS, 0, min(spec["nice"], 19))
     if "tied" in fds:  # (SIGKILL when the pipe's other end closes: its holder ended, however)
         tied = fds["tied"]
         fcntl.fcntl(tied, fcntl.F_SETOWN, os.getpid())
@@ -350,7 +355,8 @@ class Popen:
     docstring). ``stdout``/``stderr``/``stdin``: None (this process's), ``subprocess.PIPE`` (not for
     stdin), ``DEVNULL``, ``STDOUT`` (stderr), a file object or an fd. ``file_size``: ``ulimit -f`` in
     the child, in bytes (what ``helpers.file_size_limit`` does as a ``preexec_fn``, which cannot
-    travel to a forked child); ``nice``: added to its niceness; ``death_signal``: the signal it gets
+    travel to a forked child); ``nice``: added to this process's niceness, which the child has, as a
+    child of this process would, whatever the forkserver's (an early job's at 19 shares one at 0); ``death_signal``: the signal it gets
     when its parent, the forkserver, ends (which it does when the process that started it ends:
     Linux's parent-death signal); ``share_server``: the child's own :class:`Popen` forks from the
     same forkserver (an early job's launcher, whose scripts import torch too), not a new one;
@@ -369,7 +375,8 @@ class Popen:
         first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
             cwd if kind == "module" else "")
         spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0,
-                "file_size": file_size, "nice": nice, "death_signal": death_signal, "share_server": share_server,
+                "file_size": file_size, "nice": os.getpriority(os.PRIO_PROCESS, 0) + nice, "death_signal": death_signal,
+                "shared": server_pid() if share_server else None,
                 "kind": kind, "what": what, "argv": child_argv,
                 "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],
                 "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED"))}

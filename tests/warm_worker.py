@@ -24,10 +24,10 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 def main(argv: list[str]) -> int:
     warm.connect(os.environ.pop("AMPGUARD_WARM_SERVER"))
     tie, _held = os.pipe()  # (its writing end open as long as this process lives: the worker is tied to it)
-    # (the forkserver runs at nice 0, started by the suite's process: the worker gets this process's nice)
+    # (the worker gets this process's nice, as warm.Popen's children do, though the forkserver runs at 0)
     # (a process group of its own, as torchrun gives its workers sessions: a Ctrl-C at the suite's
     # terminal does not reach it; the same session, so the same scheduler autogroup as the suite)
-    proc = warm.Popen([sys.executable, "-u", *argv], stdin=0, nice=os.getpriority(os.PRIO_PROCESS, 0), tied=tie,
+    proc = warm.Popen([sys.executable, "-u", *argv], stdin=0, tied=tie,
                       process_group=0)
     os.close(tie)
 

@@ -1,0 +1,40 @@
+"""tests/warm.py's ``share_server``: a child started with it (an early job's runner) forks its own
+children (its scripts, torchrun and its workers' stand-ins) from the same forkserver, not from one
+of its own (which imported torch again: ~6 s of CPU an early job), and they run at its niceness,
+as children of its own would, though the forkserver runs at the suite's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import warm
+
+TESTS = str(Path(__file__).resolve().parents[1])
+
+CHILD = f"""
+import json, os, subprocess, sys
+sys.path.insert(0, {TESTS!r})
+import warm
+said = {{"server": warm.server_pid(), "address": warm.server_address(), "nice": os.getpriority(os.PRIO_PROCESS, 0)}}
+out = warm.run([sys.executable, "-c", "import json, os; print(json.dumps([os.getppid(), os.getpriority(os.PRIO_PROCESS, 0)]))"],
+               capture_output=True, text=True, timeout=120)
+said["grandchild"] = json.loads(out.stdout)
+print(json.dumps(said))
+"""
+
+
+def test_a_child_sharing_the_forkserver_forks_from_it_at_its_own_niceness():
+    server, address = warm.server_pid(), warm.server_address()
+    child = warm.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       share_server=True, nice=3)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err[-2000:]
+    said = json.loads(out.strip().splitlines()[-1])
+    assert (said["server"], said["address"]) == (server, address)  # (not a forkserver of its own)
+    parent, nice = said["grandchild"]
+    assert parent == server
+    assert said["nice"] == nice == min(19, 3 + os.getpriority(os.PRIO_PROCESS, 0))
