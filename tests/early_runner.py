@@ -10,7 +10,8 @@ own, though, and on Linux a session is a scheduler autogroup that shares the cor
 others whatever its processes' nice: each worker sets its autogroup's nice too (a
 ``sitecustomize`` on the job's ``PYTHONPATH``), or the job would take a core from the tests
 running in the foreground. The same file has each worker die with its torchrun, and each
-launch dies with this runner (``helpers.dies_with_its_parent``), which dies with the suite: no
+launch dies with this runner (``helpers.warm_own_group``'s tie; ``dies_with_its_parent`` for a
+command not forked warm), which dies with the suite: no
 launch trains on after the suite died, however each of them died. The launches' temporary files
 (torchrun's ``torchelastic_*`` folders) go under the job's folder, and with it.
 

@@ -394,11 +394,22 @@ def kill_tree(pid: int) -> None:
 
 def warm_own_group(cmd: list[str], cwd: Path, env: dict[str, str] | None, **streams: Any):
     """``cmd`` (a Python command) forked warm (tests/warm.py) in ``cwd``, in a process group of its
-    own that a SIGTERM reaches when the suite's forkserver dies: how :class:`Launch` and
-    :func:`run_to_end` start theirs."""
+    own that a SIGTERM reaches when the suite's forkserver dies, and that dies (SIGKILL) with this
+    process however it dies (``warm.Popen``'s ``tied``; an early job's runner shares the suite's
+    forkserver, which outlives it): how :class:`Launch` and :func:`run_to_end` start theirs."""
     import warm
+    import weakref
 
-    return warm.Popen(cmd, cwd=cwd, env=env, process_group=0, death_signal=signal.SIGTERM, **streams)
+    tie, held = os.pipe()  # (the writing end this process alone holds, as long as the object lives)
+    try:
+        proc = warm.Popen(cmd, cwd=cwd, env=env, process_group=0, death_signal=signal.SIGTERM, tied=tie, **streams)
+    except BaseException:
+        os.close(held)
+        raise
+    finally:
+        os.close(tie)
+    weakref.finalize(proc, os.close, held)
+    return proc
 
 
 class Launch:

@@ -54,6 +54,7 @@ import multiprocessing.process
 import os
 import resource
 import runpy
+import select
 import selectors
 import signal
 import subprocess
@@ -240,6 +241,8 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         fcntl.fcntl(tied, fcntl.F_SETOWN, os.getpid())
         fcntl.fcntl(tied, fcntl.F_SETSIG, signal.SIGKILL)
         fcntl.fcntl(tied, fcntl.F_SETFL, fcntl.fcntl(tied, fcntl.F_GETFL) | os.O_ASYNC)
+        if select.select([tied], [], [], 0)[0]:  # (closed before the line above: no signal comes for that)
+            os.kill(os.getpid(), signal.SIGKILL)
     if spec["death_signal"]:  # (its parent is the forkserver, which ends with the suite's process)
         import ctypes
 

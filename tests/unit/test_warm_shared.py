@@ -38,3 +38,36 @@ def test_a_child_sharing_the_forkserver_forks_from_it_at_its_own_niceness():
     parent, nice = said["grandchild"]
     assert parent == server
     assert said["nice"] == nice == min(19, 3 + os.getpriority(os.PRIO_PROCESS, 0))
+
+
+LAUNCHER = f"""
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {TESTS!r})
+import helpers
+proc = helpers.warm_own_group([sys.executable, "-c", "import time; time.sleep(120)"], Path.cwd(), None)
+print(proc.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # (no finally, no atexit: as a runner killed past its grace)
+"""
+
+
+def test_a_launch_dies_with_the_process_that_started_it_though_its_forkserver_lives_on(tmp_path):
+    """An early job's runner shares the suite's forkserver, which outlives it: its launches
+    (helpers.warm_own_group) are tied to it, or one it could not end (SIGKILL) would train on."""
+    import time
+
+    runner = warm.Popen([sys.executable, "-c", LAUNCHER], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                        share_server=True)
+    out, _ = runner.communicate(timeout=120)
+    assert runner.returncode == -9
+    launch = int(out.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(launch, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(launch, 9)
+        raise AssertionError("the launch outlived the process that started it")
