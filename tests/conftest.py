@@ -135,6 +135,13 @@ def _controller(config: pytest.Config) -> bool:
 EARLY_FIRST = ("test_torchrun_guards.py", "test_lightning.py", "test_transformers.py")
 """The early jobs the controller starts first: the longest (their launches wait on timeouts and one
 another: minutes of wall time, much of it not on a core)."""
+EARLY_PRELOAD = ["lightning", "transformers.trainer"]
+"""What the controller's forkserver, whose forks the early jobs' processes are, imports besides
+``warm.PRELOAD``: the frameworks their ranks and scripts import (~8 s and ~6 s of CPU each time:
+once here instead of in each of ~8 processes; 150.9 against 192.4 CPU-s for test_lightning,
+test_ranks_review48 and test_transformers together, with the shared forkserver). They bring
+``torchao.float8``, accelerate, torchmetrics and ``matplotlib.pyplot`` with them, which no early
+job's check reads; not MLflow or W&B, which ampguard's tracker sinks look for in ``sys.modules``."""
 EARLY_AT_ONCE = 2
 """How many early jobs the controller runs at once (each at nice 19, beside the two workers: as
 many as the workers would start, one each, before; more starved the launches' timed steps)."""
@@ -234,6 +241,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         modules = _early_modules(config)
         config.option.loadscopereorder = False  # (the workers order the modules: pytest_collection_modifyitems)
         _STARTED_IN.update({m: _work_of(m) for m in modules})  # (told to the workers: pytest_configure_node)
+        warm.preload_also(EARLY_PRELOAD)
         threading.Thread(target=_run_early_jobs, args=(modules,), name="early jobs", daemon=True).start()
 
 
