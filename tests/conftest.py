@@ -45,11 +45,42 @@ from ampguard.cli import main
 def pytest_configure(config: pytest.Config) -> None:
     if _worker(config):  # (the early jobs xdist's controller runs: pytest_sessionstart)
         _FROM_CONTROLLER.update({m: Path(w) for m, w in config.workerinput.get("ampguard_early", [])})
+    elif _controller(config):
+        _rewrite_ahead(config)
     # A suite started as a background job of a script (`bash .ci/run &`) inherits SIGINT ignored,
     # and so would every process it starts; ampguard leaves an ignored signal ignored, so the tests
     # that stop a run with Ctrl-C would find it running on. They are about Ctrl-C, not about that.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _rewrite_ahead(config: pytest.Config, timeout_s: float = 120) -> None:
+    """Have pytest's assertion rewriting of the test modules under the suite's paths written to
+    their ``__pycache__`` before xdist's workers start (tests/rewritten.py: each worker rewrote
+    every module it collected, ~24 s of CPU each, where bytecode is not written), in two processes
+    (the cores the workers will use), waited for: a module they did not reach is rewritten by the
+    workers as before."""
+    if config.getoption("assertmode", "rewrite") != "rewrite":
+        return
+    files: list[str] = []
+    for arg in config.args or [str(config.rootpath)]:
+        top = Path(arg.split("::")[0]).resolve()
+        if top.is_file():
+            files += [str(top)] if top.suffix == ".py" else []
+        elif top.is_dir():
+            files += sorted(str(f) for f in top.rglob("*.py") if (f.name.startswith("test_") or f.name == "conftest.py")
+                            and not any(part.startswith(".") or part in ("__pycache__", "build") for part in f.relative_to(top).parts))
+    if len(files) < 8:
+        return
+    script = str(Path(__file__).with_name("rewritten.py"))
+    procs = [subprocess.Popen([sys.executable, script, *files[i::2]], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # ---------------------------------------------------------------------------- the test extras in CI
