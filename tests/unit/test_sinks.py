@@ -654,9 +654,12 @@ def test_tensorboard_refuses_what_the_csv_refuses_and_logs_the_extras_that_are_n
 
 def test_a_background_sink_nobody_closed_writes_its_queue_at_exit(tmp_path):
     # review 36e: its writer is a daemon thread: a loop that crashed (or ended) without close() lost
-    # every row still queued, with a slow inner sink all of them
-    import subprocess
+    # every row still queued, with a slow inner sink all of them. (The script is forked warm,
+    # tests/warm.py, which ends it as the interpreter does, non-daemon threads then atexit's
+    # functions, without a fresh interpreter's ~2 s of imports.)
     import sys
+
+    import warm
 
     script = tmp_path / "crash.py"
     script.write_text(
@@ -672,9 +675,9 @@ def test_a_background_sink_nobody_closed_writes_its_queue_at_exit(tmp_path):
         "for step in range(1, 21):\n"
         "    sink.write(StepLog(step, lr=0.1, loss=1.0, grad_l2_pre_clip=1.0, grad_l2_post_clip=1.0, scaler_scale=1.0))\n"
         "raise RuntimeError('the loop crashed')\n")
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "steps.csv"),
-                           os.path.dirname(os.path.dirname(__import__("ampguard").__file__))],
-                          capture_output=True, text=True, timeout=120)
+    done = warm.run([sys.executable, str(script), str(tmp_path / "steps.csv"),
+                     os.path.dirname(os.path.dirname(__import__("ampguard").__file__))],
+                    capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "the loop crashed" in done.stderr
     assert [row["step"] for row in read_rows(tmp_path / "steps.csv")] == [str(s) for s in range(1, 21)]
 
