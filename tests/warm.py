@@ -116,11 +116,30 @@ def _server() -> Any:
     from multiprocessing import forkserver
 
     _context()
-    # (the instance's: a child that shares its parent's forkserver has it do nothing; the module's
-    # ``forkserver.ensure_running`` is the method bound at import, which started a second one there:
-    # each early job's own forkserver, ~6 s of CPU importing torch again, its scripts forked from it)
-    forkserver._forkserver.ensure_running()
+    _ensure_running()
     return forkserver._forkserver
+
+
+def _ensure_running() -> None:
+    """Start this process's forkserver if it has none and shares none, with this file's folder on
+    its path. (Python 3.11's ``forkserver.main`` is handed ``sys_path`` and does not use it: the
+    server imported :data:`PRELOAD` with a fresh ``python -c``'s path, which lacks tests/, so
+    ``warm`` failed silently there and each child imported it, and matplotlib with it
+    (:func:`_warm_up`): ~0.8 s of CPU a child, review 57a.) The instance's ``ensure_running``, not
+    the module's, which is the method bound at import: a child that shares its parent's forkserver
+    (:func:`connect`, ``share_server``) has the instance's do nothing, and the module's started a
+    second one there (each early job's own, ~6 s of CPU importing torch again)."""
+    from multiprocessing import forkserver
+
+    kept = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [kept])])
+    try:
+        forkserver._forkserver.ensure_running()
+    finally:
+        if kept is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = kept
 
 
 def server_pid() -> int:
@@ -420,6 +439,8 @@ class Popen:
         if tied is not None:
             fds["tied"] = tied
         try:
+            _context()
+            _ensure_running()  # (what Process.start would do, with tests/ on a new server's path)
             self._process = _context().Process(target=_child, args=(spec, {n: _Fd(fd) for n, fd in fds.items()}),
                                                daemon=False)
             with _main_left_out():
