@@ -76,6 +76,8 @@ import, in the forkserver before its first fork.)"""
 _FRESH_STDIO = (sys.__stdout__.encoding, sys.__stdout__.errors) if sys.__stdout__ else ("utf-8", "strict")
 """(The encoding and error handler a fresh interpreter gives its stdout in this environment, C
 locale or UTF-8 mode included: read, as :data:`_MAIN_PROCESS`, in the forkserver.)"""
+_IMPORTED_IN = os.getpid()
+"""(The process that imported this module: in a child, the forkserver's, where PRELOAD imported it.)"""
 _CONTEXT: Any = None
 _BASE_PATH: dict[tuple[str, str | None], list[str]] = {}
 
