@@ -7,12 +7,13 @@ import json
 import math
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun, torchrun_env, warm_workers
+from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env, warm_workers
 
 transformers = pytest.importorskip("transformers")
 from accelerate.state import AcceleratorState  # noqa: E402
@@ -24,9 +25,9 @@ from ampguard.watch import float32_layers_text  # noqa: E402
 from ampguard.sinks import CSV_COLUMNS  # noqa: E402
 
 
-def tiny_gpt2() -> GPT2LMHeadModel:
+def tiny_gpt2(n_layer: int = 2) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
 
 
 def token_ids(n: int = 160) -> list[dict[str, torch.Tensor]]:
@@ -806,14 +807,16 @@ torch.distributed.destroy_process_group()
 
 
 def early(work: Path) -> dict[str, Ended]:
-    """The torchrun of the test below (its two workers forked warm, each importing transformers:
-    ``helpers.warm_workers``), run to its end: an early job (conftest.py: started at collection, off the suite's own process; the
-    tests that read it run last)."""
+    """The torchrun of the test below (torchrun forked warm too, and its two workers, each
+    importing transformers: ``helpers.warm_workers``), run to its end: an early job (conftest.py:
+    started at collection, off the suite's own process; the tests that read it run last)."""
     folder = work / "ddp"
     folder.mkdir()
     (folder / "train.py").write_text(DDP_TRAIN, encoding="utf-8")
     workers, env = warm_workers(torchrun_env())
-    cmd = [*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, str(folder / "train.py"), str(folder / "out")]
+    # (``python -m torch.distributed.run``: torchrun forked warm, where its own command is a fresh interpreter)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *workers,
+           str(folder / "train.py"), str(folder / "out")]
     return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=env)}
 
 
@@ -953,12 +956,13 @@ def test_auto_find_batch_size_retries_after_an_out_of_memory_and_the_run_goes_on
 def test_a_compiled_model_is_not_hooked_for_the_float32_map(tmp_path):
     """``torch_compile=True``: the dtype hooks were traced into the compiled forward and removed
     after it, so dynamo compiled the model a second time (3 graphs, 2 without the hooks; with
-    Inductor a second build). A compiled model's map stays empty."""
+    Inductor a second build). A compiled model's map stays empty. (One GPT-2 block: dynamo traces
+    each block's code anew, and one holds every layer kind a hook would be on.)"""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    trainer = GuardedTrainer(model=tiny_gpt2(), train_dataset=token_ids(), args=arguments(
+    trainer = GuardedTrainer(model=tiny_gpt2(n_layer=1), train_dataset=token_ids(), args=arguments(
         tmp_path, "bf16", steps=2, torch_compile=True, torch_compile_backend="eager"))
     trainer.train()
     AcceleratorState._reset_state(reset_partial_state=True)
