@@ -660,11 +660,15 @@ def test_a_misspelled_tracker_key_is_named(cli):
 
 def test_no_module_of_ampguard_imports_a_tracker_when_it_is_imported():
     """``import ampguard`` (and the run loop, which builds the tracker sinks) never loads W&B or
-    MLflow: every import of them in the package is inside a function."""
+    MLflow: every import of them in the package is inside a function. (A module whose text does
+    not name either imports neither: only the others are parsed.)"""
     src = Path(__file__).resolve().parents[2] / "src" / "ampguard"
     top_level, lazy = [], 0
     for path in src.rglob("*.py"):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        if "wandb" not in text and "mlflow" not in text:
+            continue
+        tree = ast.parse(text)
         body = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \

@@ -30,7 +30,7 @@ def steps_of(client, run_id, key="train/loss"):
 def test_a_resume_from_an_older_checkpoint_forks_the_mlflow_run_so_each_step_has_one_value(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = (tmp_path / "mlruns").as_uri()
-    sets = ["task.name=linear", "precision=bf16", "device=cpu", "steps=4", "checkpoint.every=2",
+    sets = ["task.name=linear", "precision=bf16", "device=cpu", "steps=4", "checkpoint.every=2", "log.plot=false",
             f"log.dir={tmp_path / 'runs'}", "log.name=t", f"log.mlflow.tracking_uri={store}", "log.mlflow.experiment=x"]
     assert main(["train"] + [a for item in sets for a in ("--set", item)]) == 0
     run_dir = tmp_path / "runs" / "t"
