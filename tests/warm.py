@@ -328,6 +328,11 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
             code = 1
     except BaseException as error:  # noqa: BLE001 - the interpreter prints it (not this frame) and exits 1
         error.__traceback__ = error.__traceback__.tb_next
+        # (as CPython's PyErr_Print: what an atexit handler reads of how the program ended, e.g. a
+        # tracker sink ending its run FAILED)
+        sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+        if sys.version_info >= (3, 12):
+            sys.last_exc = error
         try:
             sys.excepthook(type(error), error, error.__traceback__)
         except BaseException as failed:  # noqa: BLE001 - a hook that raises: CPython says so, then the error
