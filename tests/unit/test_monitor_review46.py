@@ -5,6 +5,7 @@ be reached. With the scaler's growth interval the label also looks back over the
 2-octave climbs (ScaleHealth.reach) for a swing repeated (review 46c: one dip and its climb back
 is no oscillation)."""
 import collections
+import functools
 
 import pytest
 import torch
@@ -20,12 +21,13 @@ def _records(overflow, steps, config, jumps=None):
     ``jumps``: {step: factor} the scale is multiplied by before that step's update (a checkpoint's restored)."""
     s = config.scaler
     scale, tracker = torch.full((), s.init_scale), torch.zeros((), dtype=torch.int32)
+    found = (torch.tensor(0.0), torch.tensor(1.0))  # (the kernel reads found_inf; made once, not each step)
     for step in range(1, steps + 1):
         if jumps and step in jumps:
             scale.mul_(jumps[step])
             tracker.zero_()
         skipped = overflow(step)
-        torch._amp_update_scale_(scale, tracker, torch.tensor(float(skipped)), s.growth_factor, s.backoff_factor,
+        torch._amp_update_scale_(scale, tracker, found[bool(skipped)], s.growth_factor, s.backoff_factor,
                                  s.growth_interval)
         value = float(scale)
         yield (SkipLog(step=step, lr=0.1, loss=1.0, grad_l2_pre_clip=float("inf"), grad_l2_post_clip=None,
@@ -46,16 +48,23 @@ def burst(step):  # 3 overflows in a row every 7000 steps (from step 7001): 3 oc
     return step > 7000 and step % 7000 in (1, 2, 3)
 
 
+@functools.cache
+def _burst_records() -> tuple:
+    """The records of :func:`burst` at train's fp16 defaults, 24,000 steps: made once for the module, the
+    tests that read them take the steps they need from the start (the monitors only read a record)."""
+    return tuple(_records(burst, 24_000, load_config(None, ["precision=fp16"])))
+
+
 def test_trains_defaults_see_a_scale_swinging_three_octaves_as_oscillating():
     config = load_config(None, ["precision=fp16"])
     assert (config.monitor.window, config.scaler.growth_interval) == (1000, 2000)  # (what the review found)
     monitor = build_monitor(config, scaler_enabled=True)
     assert monitor.health.reach == 1000 + 8 * 2000
-    labels = _labels(monitor, _records(burst, 24_000, config))
+    labels = _labels(monitor, _burst_records())
     assert labels["oscillating"] >= 20, labels
     # the same records through a monitor that is not told the growth interval: the window alone, never
     plain = RunMonitor(window=1000, init_scale=config.scaler.init_scale, min_scale=config.scaler.min_scale)
-    assert "oscillating" not in _labels(plain, _records(burst, 22_000, config))
+    assert "oscillating" not in _labels(plain, _burst_records()[:22_000])
 
 
 def test_the_healthy_equilibrium_and_one_dip_that_leaves_the_span_are_not_oscillating():
@@ -96,7 +105,7 @@ def test_the_healthy_equilibrium_and_one_dip_that_leaves_the_span_are_not_oscill
 
 def test_the_long_span_survives_a_resume_and_an_older_state_or_a_bad_one_is_handled():
     config = load_config(None, ["precision=fp16"])
-    records = list(_records(burst, 17_000, config))
+    records = _burst_records()[:17_000]
     a = build_monitor(config, scaler_enabled=True)
     for record in records[:15_500]:
         a.observe(record)
