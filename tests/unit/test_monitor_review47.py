@@ -64,9 +64,10 @@ def _scaler(grads, *, init=2.0**17, growth=2.0, backoff=0.5, interval=20):
     """(scale after, skipped) of torch's own scaler update for each gradient magnitude: a step
     overflows fp16 when scale x gradient passes its largest value (or the gradient is not finite)."""
     scale, tracker = torch.full((), init), torch.zeros((), dtype=torch.int32)
+    found = (torch.tensor(0.0), torch.tensor(1.0))  # (the kernel reads found_inf; made once, not each step)
     for g in grads:
         overflow = not math.isfinite(g) or float(scale) * g > FP16_MAX
-        torch._amp_update_scale_(scale, tracker, torch.tensor(float(overflow)), growth, backoff, interval)
+        torch._amp_update_scale_(scale, tracker, found[overflow], growth, backoff, interval)
         yield float(scale), overflow
 
 
