@@ -341,7 +341,7 @@ def test_example_my_model_relative_path_reaches_accuracy(cli, tmp_path, monkeypa
     code, out, err = cli("train", "--set", "task.factory=examples/my_model.py:build", "--set", "precision=bf16",
                          "--set", "steps=100", "--set", "eval.every=50", "--set", "device=cpu",
                          "--set", "checkpoint.enabled=false", "--set", f"log.dir={tmp_path / 'runs'}",
-                         "--set", "log.name=example")
+                         "--set", "log.name=example", "--set", "log.plot=false")  # (no plot read)
     assert code == 0, err
     header, rows = read_csv(tmp_path / "runs" / "example" / "steps.csv")
     assert header == [*FIXED, "val_accuracy"]
