@@ -3,18 +3,25 @@
 Each bad value must give exit 2 with one line on stderr (argparse's usage error, without the
 usage block), no traceback, nothing on stdout and nothing written; ``train_vs_bare.py`` leaves an
 existing file at ``--out`` byte for byte as it was. No case times anything: bad input is refused
-before the first run. To stay fast, each script's cases run in one process, forked warm
-(tests/warm.py: torch imported already; a driver runs the script as ``__main__`` once per case,
-its exit code and output caught); two cases also run as processes of their own, started afresh.
+before the first run. To stay fast, each script's cases run in this process (a driver runs the
+script as ``__main__`` once per case, its exit code and output caught, with a fresh interpreter's
+warning filters: a warning would be a second line; lightning_plugin.py's import of lightning, ~5 s
+of CPU, is then the one the suite's lightning tests make in this process too); two cases also run
+as processes of their own, and the --threads 2 run, each forked warm (tests/warm.py: a real
+process, its exit code and standard streams, without a fresh interpreter's ~5 s of imports).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
-import subprocess
+import runpy
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,25 +34,48 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.enviro
        "OMP_NUM_THREADS": "1"}
 EARLIER = b'{"measured": "an earlier H200 result"}\n'
 
-DRIVER = r"""
-import contextlib, io, json, os, runpy, sys, traceback
-script, cases = sys.argv[1], json.loads(sys.argv[2])
-results = []
-for args in cases:
-    out, err = io.StringIO(), io.StringIO()
-    sys.argv = [os.path.basename(script), *args]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    results.append({"rc": code, "out": out.getvalue(), "err": err.getvalue()})
-print(json.dumps(results))
-"""
+FRESH_FILTERS = [("default", DeprecationWarning, r"__main__\Z"), ("ignore", DeprecationWarning, ""),
+                 ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""),
+                 ("ignore", ResourceWarning, "")]
+"""A fresh interpreter's warning filters (``python`` with no ``-W``), in their order: the first that matches decides."""
+
+
+def _drive(script: Path, cases: list[list[str]], cwd: Path) -> tuple[list[dict], str]:
+    """Run ``script`` as ``__main__`` once per case in this process, as ``python SCRIPT ARGS`` in
+    ``cwd``: ([{rc, out, err}] a case, what came out on stderr between the cases). Its exit code
+    as the interpreter makes it of ``SystemExit``, a traceback and 1 for another exception; a
+    warning is printed on the case's stderr, as a fresh interpreter prints it (not recorded by
+    pytest); ``sys.argv``, the working folder and torch's threads are this process's again after."""
+    results = []
+    saved_argv, saved_cwd, saved_threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    between = io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(between), warnings.catch_warnings():
+            warnings.resetwarnings()
+            for action, category, module in FRESH_FILTERS:
+                warnings.filterwarnings(action, category=category, module=module, append=True)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
+            for args in cases:
+                out, err = io.StringIO(), io.StringIO()
+                sys.argv = [script.name, *args]
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    try:
+                        runpy.run_path(str(script), run_name="__main__")
+                        code = 0
+                    except SystemExit as stop:
+                        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                    except BaseException:  # noqa: BLE001 - as the interpreter: a traceback, exit 1
+                        traceback.print_exc()
+                        code = 1
+                results.append({"rc": code, "out": out.getvalue(), "err": err.getvalue()})
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        torch.set_num_threads(saved_threads)
+    return results, between.getvalue()
+
 
 TRAIN = [  # (args, what the line says); {tmp} is a folder of the test's
     (["--device", "cpu", "--every", "0"], "--every must be at least 1, got 0"),
@@ -106,7 +136,7 @@ def _tree(tmp: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
-    """Each script's cases, run in one process forked warm: ``{script: (results, tmp, files before, files after)}``."""
+    """Each script's cases, run in this process: ``{script: (results, tmp, files before, files after, stderr)}``."""
     done = {}
     for script, cases in SCRIPTS.items():
         if script == "lightning_plugin.py" and importlib.util.find_spec("lightning") is None:
@@ -115,10 +145,8 @@ def ran(tmp_path_factory):
         _outs(tmp)
         before = _tree(tmp)
         argv = [[a.replace("{tmp}", str(tmp)) for a in args] for args, _ in cases]
-        proc = warm.run([sys.executable, "-c", DRIVER, str(BENCHMARKS / script), json.dumps(argv)],
-                        capture_output=True, text=True, env=ENV, cwd=tmp, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        done[script] = (json.loads(proc.stdout.splitlines()[-1]), tmp, before, _tree(tmp), proc.stderr)
+        results, stderr = _drive(BENCHMARKS / script, argv, tmp)
+        done[script] = (results, tmp, before, _tree(tmp), stderr)
     return done
 
 
@@ -153,9 +181,9 @@ def test_nothing_is_written_and_an_earlier_result_stays_byte_for_byte(ran, scrip
 def test_train_vs_bare_refuses_in_a_process_of_its_own(tmp_path, args, says):
     _outs(tmp_path)
     before = _tree(tmp_path)
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "train_vs_bare.py"),
-                           *(a.replace("{tmp}", str(tmp_path)) for a in args)],
-                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
+    done = warm.run([sys.executable, str(BENCHMARKS / "train_vs_bare.py"),
+                     *(a.replace("{tmp}", str(tmp_path)) for a in args)],
+                    capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert _tree(tmp_path) == before
@@ -190,9 +218,9 @@ def test_headroom_cost_rounds_up_to_whole_cycles_with_an_interval():
 def test_train_vs_bare_pins_a_cpus_threads_and_says_so(tmp_path):
     # review 54o: the CPU runs took whatever thread count torch chose (OMP_NUM_THREADS here: 1), unsaid; OpenMP's
     # threads on a machine other work shares swung the same bare loop ~60x. Pinned as ampguard bench pins them
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "train_vs_bare.py"), "--quick", "--device", "cpu",
-                           "--eager", "--precision", "fp32", "--blocks", "1", "--threads", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    done = warm.run([sys.executable, str(BENCHMARKS / "train_vs_bare.py"), "--quick", "--device", "cpu", "--eager",
+                     "--precision", "fp32", "--blocks", "1", "--threads", "2", "--out", str(tmp_path)],
+                    capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     header = done.stdout.splitlines()[0]
     assert ", 2 threads" in header and "paired blocks" in header, header
