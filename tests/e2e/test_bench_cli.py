@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import warm
 
-from helpers import FullStdout, end_all
+from helpers import FullStdout, end_all, warm_workers
 
 from ampguard.cli import main
 
@@ -187,12 +187,38 @@ def test_bench_json_carries_the_runs_settings(capsys):
         assert guarded["half_width"] <= 0.5 and rounds >= 8
 
 
-def _gpu_sh(env, tmp_path):
-    from pathlib import Path
+WARM_PYTHON = """#!/usr/bin/env bash
+# gpu.sh's $PYTHON here: its commands that import torch (a script on stdin, -m ampguard) forked warm
+# (tests/warm_worker.py's stand-in), not fresh interpreters importing torch first (~3 s of CPU each);
+# a script on stdin, `python - ARGS`, as `-c SCRIPT ARGS`; its other commands as they are
+case "$1 $2" in
+    "- "*) shift; code=$(cat); exec {python} {stand_in} -c "$code" "$@" ;;
+    "-m ampguard") exec {python} {stand_in} "$@" ;;
+esac
+exec {python} "$@"
+"""
 
+
+def _warm_python(folder: Path) -> tuple[Path, dict[str, str]]:
+    """(a ``PYTHON`` for gpu.sh, written in ``folder``: :data:`WARM_PYTHON`; the environment it needs)."""
+    (_, python, stand_in), env = warm_workers({})
+    path = folder / "warm-python"
+    path.write_text(WARM_PYTHON.format(python=python, stand_in=stand_in))
+    path.chmod(0o755)
+    return path, env
+
+
+@pytest.fixture(scope="module")
+def warm_python(tmp_path_factory):
+    """gpu.sh's ``PYTHON`` and what it needs (:func:`_warm_python`)."""
+    python, env = _warm_python(tmp_path_factory.mktemp("python"))
+    return {**env, "PYTHON": str(python)}
+
+
+def _gpu_sh(env, tmp_path, python=None):
     root = Path(__file__).resolve().parents[2]
     return subprocess.run(["bash", str(root / "benchmarks" / "gpu.sh")], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), **env})
+                          env={**os.environ, "PYTHON": sys.executable, **(python or {}), "OUT": str(tmp_path), **env})
 
 
 def test_gpu_sh_stage_limits_fit_one_device_command(tmp_path):
@@ -209,7 +235,7 @@ def test_gpu_sh_stage_limits_fit_one_device_command(tmp_path):
             int(grace) >= 10 for _, grace in re.findall(r" (\w+): \d+\+(\d+)", done.stdout))
 
 
-def test_gpu_sh_summary_takes_a_case_with_no_bare_loop(tmp_path):
+def test_gpu_sh_summary_takes_a_case_with_no_bare_loop(tmp_path, warm_python):
     # no stage runs; the summary reads a bench JSON whose contenders had no bare loop (ratio null)
     import json
 
@@ -217,17 +243,17 @@ def test_gpu_sh_summary_takes_a_case_with_no_bare_loop(tmp_path):
              "ratio_to_bare": None, "ratio_low": None, "ratio_high": None, "mfu": None, "ops": 40,
              "rounds": [0.5, 0.5], "stop": "fixed"}]
     (tmp_path / "bench-mlp.json").write_text(json.dumps({"machine": "test", "run": {"steps": 3}, "results": rows}))
-    done = _gpu_sh({"STAGES": "none", "DEVICE": "cpu"}, tmp_path)
+    done = _gpu_sh({"STAGES": "none", "DEVICE": "cpu"}, tmp_path, warm_python)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "lightning fabric" in done.stdout and "2 rounds (fixed)" in done.stdout, done.stdout
     assert "Traceback" not in done.stdout + done.stderr
 
 
-def test_gpu_sh_says_how_each_stage_ended_keeps_the_last_json_and_exits_1_on_a_failure(tmp_path):
+def test_gpu_sh_says_how_each_stage_ended_keeps_the_last_json_and_exits_1_on_a_failure(tmp_path, warm_python):
     # a bench that is refused (a model no bench knows: refused on any machine) was summed up as
     # "ran out of time", its empty output had replaced the last good JSON, and the script exited 0
     (tmp_path / "bench-mlp.json").write_text('{"machine": "an earlier run", "run": {}, "results": []}')
-    done = _gpu_sh({"STAGES": "3", "DEVICE": "cpu", "MLP_MODELS": "nosuch"}, tmp_path)
+    done = _gpu_sh({"STAGES": "3", "DEVICE": "cpu", "MLP_MODELS": "nosuch"}, tmp_path, warm_python)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "stage 3 ended with exit 2 (refused (bad input))" in out and "stages: 3=2" in out, out

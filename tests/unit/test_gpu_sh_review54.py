@@ -9,7 +9,8 @@ now ``versions()`` falls back to ``AMPGUARD_COMMIT``, which gpu.sh sets (from gi
 ``.whl/COMMIT``, written by gpu_wheels.sh) and prints into its log.
 
 The gpu.sh cases run a copy of the script in a folder of its own (no git there, a ``.whl`` of its
-own), with the real pip and the real Python; they stop before any stage runs.
+own), with the real pip and the real Python (its commands that import torch forked warm, where the
+case is not about the wheels: :data:`WARM_PYTHON`); they stop before any stage runs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from helpers import warm_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +36,33 @@ def test_versions_takes_the_commit_from_ampguard_commit_where_git_finds_no_check
     assert versions()["ampguard_commit"] is None
     monkeypatch.setenv("AMPGUARD_COMMIT", "0123abc-dirty")
     assert versions()["ampguard_commit"] == "0123abc-dirty"
+
+
+WARM_PYTHON = """#!/usr/bin/env bash
+# gpu.sh's $PYTHON here: its commands that import torch (a script on stdin, -m ampguard) forked warm
+# (tests/warm_worker.py's stand-in), not fresh interpreters importing torch first (~3 s of CPU each);
+# a script on stdin, `python - ARGS`, as `-c SCRIPT ARGS`; its other commands as they are
+case "$1 $2" in
+    "- "*) shift; code=$(cat); exec {python} {stand_in} -c "$code" "$@" ;;
+    "-m ampguard") exec {python} {stand_in} "$@" ;;
+esac
+exec {python} "$@"
+"""
+
+
+def _warm_python(folder: Path) -> tuple[Path, dict[str, str]]:
+    """(a ``PYTHON`` for gpu.sh, written in ``folder``: :data:`WARM_PYTHON`; the environment it needs)."""
+    (_, python, stand_in), env = warm_workers({})
+    path = folder / "warm-python"
+    path.write_text(WARM_PYTHON.format(python=python, stand_in=stand_in))
+    path.chmod(0o755)
+    return path, env
+
+
+@pytest.fixture(scope="module")
+def warm_python(tmp_path_factory):
+    """gpu.sh's ``PYTHON`` (:func:`_warm_python`), and the environment it needs."""
+    return _warm_python(tmp_path_factory.mktemp("python"))
 
 
 def _copy(tmp_path):
@@ -64,16 +95,18 @@ def test_gpu_sh_says_in_one_line_that_the_carried_wheels_do_not_install_and_name
     assert "Traceback" not in out
 
 
-def test_gpu_sh_names_the_carried_commit_in_its_log(tmp_path):
+def test_gpu_sh_names_the_carried_commit_in_its_log(tmp_path, warm_python):
     tree = _copy(tmp_path)
     (tree / ".whl" / "COMMIT").write_text("0123abc-dirty\n")
-    done = _gpu_sh(tree, sys.executable)
+    python, env = warm_python
+    done = _gpu_sh(tree, python, **env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "commit: 0123abc-dirty" in done.stdout and "commit: 0123abc-dirty" in (tree / "out" / "gpu.log").read_text()
 
 
-def test_gpu_sh_without_a_carried_commit_says_so(tmp_path):
-    done = _gpu_sh(_copy(tmp_path), sys.executable)
+def test_gpu_sh_without_a_carried_commit_says_so(tmp_path, warm_python):
+    python, env = warm_python
+    done = _gpu_sh(_copy(tmp_path), python, **env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "commit: unknown" in done.stdout, done.stdout
 
