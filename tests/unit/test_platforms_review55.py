@@ -2,8 +2,9 @@
 platform lacks is taken away before ampguard is imported). Under the Windows simulation every CLI
 verb crashed at import (``signal.SIGPIPE``), ``replace_atomically`` needed ``dir_fd``, folders
 opened and ``os.geteuid`` (a run folder, a CSV resume), ``rename_onto_nothing`` let
-``ctypes.CDLL(None)``'s ``TypeError`` out, and run folders went unlocked without a word. Each
-scenario is a small subprocess; these are simulations, not runs on a real Windows."""
+``ctypes.CDLL(None)``'s ``TypeError`` out, and run folders went unlocked without a word. The
+scenarios run in one simulated interpreter, after a ``train`` run in a process forked from it before
+ampguard's import; these are simulations, not runs on a real Windows."""
 
 from __future__ import annotations
 
@@ -27,6 +28,26 @@ from pathlib import Path
 
 out, results = Path(sys.argv[1]), {}
 d = out.parent
+
+# First `python -m ampguard ARGS` in a child forked before ampguard is imported here: the process
+# `platform_sim.py win -m ampguard ARGS` would be (the simulation made, torch imported, ampguard
+# not), its exit code in results["train"], its output in the folder sys.argv[2], its working folder.
+# (torch._dynamo, which the first optimizer step imports, imported once for both processes; os.fork
+# is one of the names the simulation took away: posix's is the same function.)
+import posix
+import torch._dynamo
+
+sys.stdout.flush(), sys.stderr.flush()
+pid = posix.fork()
+if pid == 0:
+    import runpy
+    os.chdir(sys.argv[2])
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = ["ampguard", *sys.argv[3:]]
+    runpy.run_module("ampguard", run_name="__main__", alter_sys=True)  # (as platform_sim's -m)
+    sys.exit(0)  # (the interpreter's ending, as the fresh process', for whatever ended it: SystemExit, an error)
+results["train"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def scenario(fn):
@@ -180,13 +201,25 @@ def simulated(modes: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+TRAIN = ["train", "--set", "task.name=linear", "--set", "steps=3", "--set", "precision=fp32", "--set", "device=cpu",
+         "--set", "log.plot=false"]
+"""``ampguard TRAIN`` (its run folder added) runs under the Windows simulation first (:func:`on_windows`)."""
+
+
 @pytest.fixture(scope="module")
-def on_windows(tmp_path_factory) -> dict[str, str]:
-    """Each scenario's outcome under the Windows simulation: "OK", or the error it ended with."""
+def on_windows(tmp_path_factory) -> dict:
+    """Each scenario's outcome under the Windows simulation: "OK", or the error it ended with; and
+    "train": the exit code of ``ampguard train`` (TRAIN) run under it first, in a process of its own
+    (forked, in the one simulated interpreter, before ampguard's import), its stderr in
+    "train_stderr", and its folder (its working folder, its run's log.dir) in "train_dir"."""
     folder = tmp_path_factory.mktemp("win")
-    done = simulated("win", "-c", SCENARIOS, str(folder / "results.json"), cwd=folder)
+    train = folder / "train"
+    train.mkdir()
+    done = simulated("win", "-c", SCENARIOS, str(folder / "results.json"), str(train),
+                     *TRAIN, "--set", f"log.dir={train}", "--set", "log.name=r", cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((folder / "results.json").read_text())
+    results = json.loads((folder / "results.json").read_text())
+    return {**results, "train_dir": train, "train_stderr": (train / "stderr").read_text()}
 
 
 @pytest.mark.parametrize("scenario", ["version", "help", "reader_left_stops", "csv_resume_cut", "replace_atomically",
@@ -198,19 +231,17 @@ def test_under_the_windows_simulation(on_windows, scenario):
     assert on_windows[scenario] == "OK"
 
 
-def test_train_under_the_windows_simulation_writes_its_run_folder(tmp_path):
-    done = simulated("win", "-m", "ampguard", "train", "--set", "task.name=linear", "--set", "steps=3",
-                     "--set", "precision=fp32", "--set", "device=cpu", "--set", "log.plot=false",
-                     "--set", f"log.dir={tmp_path}", "--set", "log.name=r", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
-    run = tmp_path / "r"
+def test_train_under_the_windows_simulation_writes_its_run_folder(on_windows):
+    stderr = on_windows["train_stderr"]
+    assert on_windows["train"] == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    run = on_windows["train_dir"] / "r"
     rows = (run / "steps.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]
     assert "finished" in (run / "RUN.md").read_text()
     assert (run / "config.yaml").is_file()
-    unlocked = [line for line in done.stderr.splitlines() if "not locked on this platform" in line]
-    assert len(unlocked) == 1 and unlocked[0].startswith("ampguard: warning: "), done.stderr
+    unlocked = [line for line in stderr.splitlines() if "not locked on this platform" in line]
+    assert len(unlocked) == 1 and unlocked[0].startswith("ampguard: warning: "), stderr
 
 
 def test_where_processes_cannot_be_asked_after_none_is_signalled(tmp_path, monkeypatch):
