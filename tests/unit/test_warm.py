@@ -28,6 +28,17 @@ def both(argv: list[str], **kwargs) -> tuple[tuple, tuple]:
     return results[0], results[1]
 
 
+STATE = "\n".join([  # (one process: what it holds as it starts, each read once, its globals first)
+    "print(sorted(globals()), __loader__, __spec__)",
+    "import sys; print(sys.argv, repr(sys.path[0]), sys.stdin.read())",
+    "import multiprocessing as mp; print(mp.current_process().name, mp.parent_process(), mp.get_start_method())",
+    "import sys; print(sys.stdout.encoding, sys.stdout.errors, sys.stderr.errors, repr(sys.stdout), repr(sys.stderr))",
+    "import signal; print([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ)])",
+])
+"""A fresh interpreter's state a command reads: its globals, ``__loader__`` and ``__spec__``, ``sys.argv``,
+``sys.path[0]`` and stdin, ``multiprocessing``'s view of it, its streams' encodings, its signal handlers."""
+
+
 @pytest.mark.parametrize("code", [
     "print('a'); import sys; sys.exit(3)",
     "raise SystemExit('bye')",
@@ -35,8 +46,7 @@ def both(argv: list[str], **kwargs) -> tuple[tuple, tuple]:
     "def f():\n    raise ValueError('x')\nf()",
     "import atexit; atexit.register(lambda: print('at exit')); print('body')",
     "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), print('late', flush=True))).start()",
-    "import sys; print(sys.argv, repr(sys.path[0]), sys.stdin.read())",
-    "print(sorted(globals()), __loader__, __spec__)",
+    pytest.param(STATE, id="its-state"),
     "import sys; sys.exit(256)",
     "import sys; sys.exit(-1)",
     "import sys; sys.exit(2 ** 40)",
@@ -44,9 +54,6 @@ def both(argv: list[str], **kwargs) -> tuple[tuple, tuple]:
     "import sys; del sys.stdout",
     "import atexit; atexit.register(lambda: 1 / 0); print('body')",
     "import sys\ndef hook(*_):\n    raise RuntimeError('hook')\nsys.excepthook = hook\nraise ValueError('x')",
-    "import multiprocessing as mp; print(mp.current_process().name, mp.parent_process(), mp.get_start_method())",
-    "import sys; print(sys.stdout.encoding, sys.stdout.errors, sys.stderr.errors, repr(sys.stdout), repr(sys.stderr))",
-    "import signal; print([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ)])",
 ])
 def test_a_command_ends_as_in_a_fresh_interpreter(code, tmp_path):
     fresh, forked = both(["-c", code, "one", "two"], cwd=tmp_path)
@@ -58,12 +65,13 @@ def test_a_module_and_a_script_run_as_main_with_their_argv_and_path(tmp_path):
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "s.py").write_text("import os, sys\nprint(__name__, __file__, sys.argv, sys.path[0], os.getcwd())\n")
-    assert both(["-m", "pkg_mod", "a"], cwd=tmp_path)[1] == both(["-m", "pkg_mod", "a"], cwd=tmp_path)[0]
+    fresh, forked = both(["-m", "pkg_mod", "a"], cwd=tmp_path)
+    assert forked == fresh
     fresh, forked = both(["scripts/s.py", "b"], cwd=tmp_path)
     assert forked == fresh and fresh[1].startswith(f"__main__ {tmp_path / 'scripts/s.py'} ['scripts/s.py', 'b']")
 
 
-@pytest.mark.parametrize("io_encoding", ["", "ascii", "utf-8", ":replace", "latin-1:ignore"])
+@pytest.mark.parametrize("io_encoding", ["", "ascii", ":replace", "latin-1:ignore"])  # (none, a name, errors, both)
 def test_its_standard_streams_encode_as_a_fresh_interpreters(io_encoding):
     env = {**os.environ, "PYTHONIOENCODING": io_encoding}
     code = "import sys; print([(s.encoding, s.errors, s.line_buffering) for s in (sys.stdin, sys.stdout, sys.stderr)])"
@@ -113,15 +121,16 @@ def test_ctrl_c_uncaught_ends_it_by_sigint_and_a_full_console_exits_120(tmp_path
 
 
 def test_a_session_a_file_size_limit_and_fresh_random_numbers(tmp_path):
-    code = "import os; print(os.getsid(0) == os.getpid())"
+    draw = "import numpy, torch; print(numpy.random.rand(), torch.rand(1).item())"  # (each child its own)
+    code = "import os; print(os.getsid(0) == os.getpid())\n" + draw
     proc = warm.Popen([EXE, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.communicate(timeout=60)[0] == "True\n"
-    done = warm.run([EXE, "-c", "with open('big', 'wb') as f:\n    f.write(b'x' * 100)"], cwd=tmp_path,
+    session = proc.communicate(timeout=60)[0].splitlines()
+    assert session[0] == "True"
+    done = warm.run([EXE, "-c", draw + "\nwith open('big', 'wb') as f:\n    f.write(b'x' * 100)"], cwd=tmp_path,
                     capture_output=True, text=True, timeout=60, file_size=10)
     assert done.returncode == 1 and "File too large" in done.stderr and (tmp_path / "big").stat().st_size == 10
-    for draw in ("import numpy; print(numpy.random.rand())", "import torch; print(torch.rand(1).item())"):
-        draws = {warm.run([EXE, "-c", draw], capture_output=True, text=True, timeout=60).stdout for _ in range(2)}
-        assert len(draws) == 2, draw
+    for generator, first, second in zip(("numpy", "torch"), session[1].split(), done.stdout.split(), strict=True):
+        assert first != second, generator
 
 
 def test_a_torchrun_worker_forked_warm_dies_with_its_stand_in_and_torchrun_reports_how(tmp_path):
