@@ -2,9 +2,9 @@
 tested against, pyproject's ``test``) cannot be imported is a failure, not a skip: CI installs
 them, so a broken install turned whole integration modules into skips and the suite stayed green.
 Without CI a missing extra still skips (a developer without, say, torchao). Each case runs a few
-tiny test files in a pytest of its own (a process forked warm, tests/warm.py: torch, which the
-conftest imports, imported already; the extras are not), with tests/conftest.py as a plugin (its
-hooks do it) and the extras hidden as if not installed."""
+tiny test files in a pytest session of its own, both sessions in one process forked warm
+(tests/warm.py: torch, which the conftest imports, imported already; the extras are not), with
+tests/conftest.py as a plugin (its hooks do it) and the extras hidden as if not installed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import warm
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -50,18 +51,48 @@ def test_runs():
 """
 
 
-def _pytest(folder: Path, ci: str | None) -> subprocess.CompletedProcess:
+MARK = "=== the session's exit code: "
+"""(Ends each session's output; its exit code follows on that line.)"""
+SESSIONS = f"""
+import os, sys
+
+import pytest
+
+for ci in ("true", None):  # (CI set, then not: one pytest session each, in this one process)
+    if ci is None:
+        del os.environ["CI"]
+    else:
+        os.environ["CI"] = ci
+    code = pytest.main(sys.argv[1:])
+    print("\\n" + {MARK!r} + str(int(code)), flush=True)
+"""
+
+
+def _pytest(folder: Path) -> dict[str | None, subprocess.CompletedProcess]:
+    """The tiny test files in ``folder`` run by pytest with CI set ("true") and without it (None): a
+    session each, both in one process forked warm (the hooks read CI at each report): {CI: what the
+    session returned, and printed}."""
     (folder / "hide_extras.py").write_text(HIDE, encoding="utf-8")
     (folder / "test_module_level.py").write_text(MODULE_LEVEL, encoding="utf-8")
     (folder / "test_in_tests.py").write_text(IN_TESTS, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS") and not k.startswith("PYTEST_XDIST")}
     env["PYTHONPATH"] = os.pathsep.join([str(folder), str(TESTS), str(TESTS.parent / "src"), env.get("PYTHONPATH", "")])
-    if ci is not None:
-        env["CI"] = ci
-    return warm.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
+    done = warm.run([sys.executable, "-c", SESSIONS, "-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=",
                      "-p", "conftest", "-p", "hide_extras", "--continue-on-collection-errors", "-rA", "-q",
                      "--rootdir", str(folder), str(folder)],
                     cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.count(MARK) == 2, done.stdout + done.stderr
+    runs, rest = {}, done.stdout
+    for ci in ("true", None):
+        said, _, rest = rest.partition(MARK)
+        code, _, rest = rest.partition("\n")
+        runs[ci] = subprocess.CompletedProcess(done.args, int(code), said, done.stderr)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    return _pytest(tmp_path_factory.mktemp("ci_extras"))
 
 
 def _outcomes(done: subprocess.CompletedProcess) -> dict[str, str]:
@@ -75,8 +106,8 @@ def _outcomes(done: subprocess.CompletedProcess) -> dict[str, str]:
     return found
 
 
-def test_with_ci_set_a_missing_test_extra_fails_where_it_skipped(tmp_path):
-    done = _pytest(tmp_path, "true")
+def test_with_ci_set_a_missing_test_extra_fails_where_it_skipped(sessions):
+    done = sessions["true"]
     outcomes = _outcomes(done)
     assert done.returncode == 1, done.stdout + done.stderr
     # a module that importorskips an extra at its top (collected as an error), one in a test, a skipif's
@@ -89,8 +120,8 @@ def test_with_ci_set_a_missing_test_extra_fails_where_it_skipped(tmp_path):
     assert "no_such_submodule" in done.stdout and "needs a CUDA device" in done.stdout
 
 
-def test_without_ci_a_missing_test_extra_still_skips(tmp_path):
-    done = _pytest(tmp_path, None)
+def test_without_ci_a_missing_test_extra_still_skips(sessions):
+    done = sessions[None]
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed, 5 skipped" in done.stdout, done.stdout
     assert "CI is set" not in done.stdout
