@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import json
+import select
 import subprocess
 import sys
 
@@ -54,8 +56,51 @@ def _saved(model: nn.Module) -> bytes:
     return buffer.getvalue()
 
 
+LOADER = """
+import json, sys, traceback
+
+sys.modules["ampguard"] = None  # (and -I: a process where ampguard cannot be imported)
+import torch
+
+for line in sys.stdin:
+    try:
+        for path in json.loads(line):
+            torch.load(path, weights_only=False)
+        print(json.dumps("loaded"), flush=True)
+    except Exception:
+        print(json.dumps(traceback.format_exc()), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def load_without_ampguard():
+    """``load(*paths)``: "loaded" once a process where ampguard cannot be imported loaded each
+    ``torch.save``'d file (or the traceback it raised). One process for the module's cases (one
+    torch import): each asks it in turn."""
+    proc = subprocess.Popen([sys.executable, "-I", "-c", LOADER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def load(*paths: object) -> str:
+        proc.stdin.write(json.dumps([str(p) for p in paths]) + "\n")
+        proc.stdin.flush()
+        if not select.select([proc.stdout], [], [], 120)[0]:
+            return "no answer in 120 s"
+        line = proc.stdout.readline()
+        return json.loads(line) if line else f"the loader ended: {proc.stderr.read()[-2000:]}"
+
+    try:
+        yield load
+    finally:
+        try:
+            proc.communicate(timeout=60)  # (its stdin closed: it ends)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.parametrize("when", ["before the first backward", "after it"])
-def test_a_copy_of_a_guarded_model_sheds_ampguards_hooks_and_loads_without_ampguard(when, tmp_path):
+def test_a_copy_of_a_guarded_model_sheds_ampguards_hooks_and_loads_without_ampguard(when, tmp_path,
+                                                                                    load_without_ampguard):
     model = _bn_model()
     guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", max_norm=1.0)
     x = torch.randn(8, 4)
@@ -80,11 +125,8 @@ def test_a_copy_of_a_guarded_model_sheds_ampguards_hooks_and_loads_without_ampgu
     assert _train_step(guard, model, x, bad=True).skipped
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # its statistics put back
     # a process where ampguard cannot be imported loads both copies
-    code = ("import sys; sys.modules['ampguard'] = None; import torch\n"
-            f"for name in ('ema', 'swa'): torch.load({str(tmp_path)!r} + f'/{{name}}.pt', weights_only=False)\n"
-            "print('loaded')")
-    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "loaded", done.stderr[-2000:]
+    said = load_without_ampguard(tmp_path / "ema.pt", tmp_path / "swa.pt")
+    assert said == "loaded", said
 
 
 def test_a_copy_a_guard_watches_keeps_the_hook_until_that_guard_is_gone():
