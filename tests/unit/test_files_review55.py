@@ -199,16 +199,17 @@ def test_an_over_long_event_line_is_unreadable_and_the_lines_after_it_are_read(t
 
 def test_a_huge_event_line_is_not_read_whole(tmp_path):
     # review 55d F6: events.jsonl read whole (read_text) with a 1 GiB line: report and compare ended in a
-    # MemoryError traceback under a memory limit. Here a 640 MiB line, 384 MiB to spare; a sparse file: no disk used
+    # MemoryError traceback under a memory limit. Here a 192 MiB line (12 times MAX_EVENT_LINE), 128 MiB to spare (a
+    # whole read of it fails there; the reads of MAX_EVENT_LINE fit); a sparse file: no disk used
     path = tmp_path / "events.jsonl"
     with path.open("wb") as f:
         f.write(b'{"step": 1, "event": "a"}\n')
-        f.seek(640 << 20, os.SEEK_CUR)
+        f.seek(192 << 20, os.SEEK_CUR)
         f.write(b'\n{"step": 2, "event": "b"}\n')
 
-    def limited() -> None:  # (what this process holds now, and 384 MiB more)
+    def limited() -> None:  # (what this process holds now, and 128 MiB more)
         size = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (size + (384 << 20), resource.RLIM_INFINITY))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (128 << 20), resource.RLIM_INFINITY))
 
     def read() -> str:
         log = LoggedEvents(tmp_path)
