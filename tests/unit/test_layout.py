@@ -19,24 +19,30 @@ def _modules() -> dict[str, Path]:
             for f in SRC.rglob("*.py")}
 
 
-@functools.cache  # (every source file parsed: once a kind for the whole module's tests, not once a test)
 def import_graph(lazy: bool = True) -> dict[str, frozenset[str]]:
     """module -> the package modules it imports (with ``lazy``, imports inside functions too)."""
+    return _import_graphs()[lazy]
+
+
+@functools.cache  # (every source file parsed once for the whole module's tests, both kinds: not once a test)
+def _import_graphs() -> dict[bool, dict[str, frozenset[str]]]:
+    """{lazy: :func:`import_graph`'s graph} (each tree walked while it is held: not kept, for the GC to walk)."""
     mods = _modules()
-    graph: dict[str, set[str]] = {}
+    graphs: dict[bool, dict[str, frozenset[str]]] = {True: {}, False: {}}
     for mod, path in mods.items():
         base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        nodes = ast.walk(tree) if lazy else iter(tree.body)
-        deps: set[str] = set()
-        for node in nodes:
-            if isinstance(node, ast.ImportFrom) and node.level:
-                parent = base[: len(base) - (node.level - 1)]
-                target = ".".join(parent + ([node.module] if node.module else []))
-                subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
-                deps |= subs or {target}
-        graph[mod] = frozenset(deps - {mod})
-    return graph
+        for lazy, graph in graphs.items():
+            nodes = ast.walk(tree) if lazy else iter(tree.body)
+            deps: set[str] = set()
+            for node in nodes:
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    parent = base[: len(base) - (node.level - 1)]
+                    target = ".".join(parent + ([node.module] if node.module else []))
+                    subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
+                    deps |= subs or {target}
+            graph[mod] = frozenset(deps - {mod})
+    return graphs
 
 
 def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
