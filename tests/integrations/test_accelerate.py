@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env
+from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env, warm_workers
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
@@ -201,18 +201,22 @@ def test_a_scheduler_built_over_the_prepared_optimizer_is_taken(accelerator, for
 
 
 def early(work: Path) -> dict[str, Ended]:
-    """The ``accelerate launch`` of the test below (three processes, each importing accelerate), run
-    to its end: an early job (conftest.py: started at collection, off the suite's own process; the
-    tests that read it run last)."""
-    folder = work / "launch"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           str(EXAMPLE), "--precision", "bf16", "--steps", "8", "--csv", str(folder / "steps.csv"),
+    """The two ``accelerate launch`` of the tests below (three processes each, each importing
+    accelerate), each run to its end: an early job (conftest.py: started at collection, off the
+    suite's own process; the tests that read it run last). The launcher is forked warm and so are
+    its two processes (``--no_python`` and the stand-in of ``helpers.warm_workers``, as torchrun's
+    in ``helpers.Launch``: a fresh one spent ~5 s of CPU importing torch); what they run is the
+    script, under Accelerate's own launcher (its torchrun), as ``accelerate launch SCRIPT`` would."""
+    (workers, env), folder = warm_workers(torchrun_env()), work / "launch"
+    assert workers[0] == "--no-python"  # (torchrun's spelling; accelerate launch's is --no_python)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+              "--no_python", *workers[1:]]
+    cmd = [*launch, str(EXAMPLE), "--precision", "bf16", "--steps", "8", "--csv", str(folder / "steps.csv"),
            "--inf-at", "3", "--inf-rank", "1"]
-    unprepared = [*cmd[:cmd.index(str(EXAMPLE))], str(UNPREPARED)]
-    return {"launch": run_to_end("launch", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=torchrun_env()),
-            "unprepared": run_to_end("unprepared", unprepared, work / "unprepared", timeout_s=EARLY_TIMEOUT_S,
-                                     env=torchrun_env())}
+    return {"launch": run_to_end("launch", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=env),
+            "unprepared": run_to_end("unprepared", [*launch, str(UNPREPARED)], work / "unprepared",
+                                     timeout_s=EARLY_TIMEOUT_S, env=env)}
 
 
 @pytest.mark.slow
