@@ -302,18 +302,19 @@ def early(work: Path) -> dict[str, tuple]:
         for name in specs.keys() - {*BATCHED, "G"}:  # a kill, a hang, one rank's crash, torchrun's SIGTERM: each its own
             started[name] = Launch(name, [str(wrapper), str(work / name), *specs[name]], work / name, timeout_s=TIMEOUT_S,
                                    env={**env, **own_env.get(name, {})})
+        # T: a scheduler's SIGTERM to torchrun once the run trains (its CSV has rows), not before; first,
+        # as its run has no end of its own (every step until the signal is CPU the other launches wait for)
+        rows, deadline = work / "T" / "runs" / "T" / "steps.csv", time.monotonic() + TIMEOUT_S / 2
+        while time.monotonic() < deadline and started["T"].proc.poll() is None and not (
+                rows.exists() and rows.read_text().count("\n") > 3):
+            time.sleep(0.2)
+        os.kill(started["T"].proc.pid, signal.SIGTERM)
         # what W's kill left (its CSV, its checkpoints), before its resume (with P and Q, below)
         killed = started["W"].wait()
         w_run = work / "W" / "runs" / "W"
         card = w_run / "RUN.md"
         left = ((w_run / "steps.csv").read_text(encoding="utf-8"), sorted(p.name for p in (w_run / "checkpoints").glob("*.pt")),
                 card.read_text(encoding="utf-8") if card.exists() else None, (w_run / "events.jsonl").read_text(encoding="utf-8"))
-        # T: a scheduler's SIGTERM to torchrun once the run trains (its CSV has rows), not before
-        rows, deadline = work / "T" / "runs" / "T" / "steps.csv", time.monotonic() + TIMEOUT_S / 2
-        while time.monotonic() < deadline and started["T"].proc.poll() is None and not (
-                rows.exists() and rows.read_text().count("\n") > 3):
-            time.sleep(0.2)
-        os.kill(started["T"].proc.pid, signal.SIGTERM)
         # H: once rank 1 hangs (stopped) in step 3, a scheduler's SIGTERM to torchrun; rank 0 waits in
         # the step's collective, where no Python runs; then rank 1 is killed (torchrun would, 30 s on)
         results: dict[str, tuple] = {"H-waited": _stop_a_hung_job(started["H"], work / "H")}
