@@ -1,6 +1,6 @@
-"""``distributed.agree`` on two real gloo ranks (CPU, spawned processes): one rank's non-finite
-value becomes every rank's, whatever the norm's dtype; a value finite everywhere comes back bit
-for bit."""
+"""``distributed.agree`` on two real gloo ranks (CPU, two processes of ``torch.multiprocessing``):
+one rank's non-finite value becomes every rank's, whatever the norm's dtype; a value finite
+everywhere comes back bit for bit."""
 
 from __future__ import annotations
 
@@ -13,10 +13,24 @@ import torch.distributed as dist
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
 
+RANKS = """
+import runpy, sys
+import torch.multiprocessing as mp
+
+script = runpy.run_path(sys.argv[1], run_name="agree_ranks")  # (its functions; its __main__ would spawn)
+mp.start_processes(script["_rank"], args=(sys.argv[2],), nprocs=2, join=True, start_method="fork")
+"""
+"""``python -c RANKS SCRIPT OUT``: what ``python agree_ranks.py OUT`` does (``mp.spawn`` of its ``_rank``
+over two processes, joined, an error in either an error of the whole), the two processes forked
+from this one, which has torch and ampguard imported, where spawned ones each imported them afresh
+(~5 s of CPU each)."""
+
+
 def early(work: Path) -> dict[str, object]:
-    """The two ranks (tests/dist_scripts/agree_ranks.py: spawned processes, each importing torch
-    and ampguard), run to their end: an early job (conftest.py: started at collection, off the
-    suite's own process; the tests that read it run last)."""
+    """The two ranks (tests/dist_scripts/agree_ranks.py's ``_rank``: processes of
+    ``torch.multiprocessing``, forked from a process forked warm, :data:`RANKS`), run to their
+    end: an early job (conftest.py: started at collection, off the suite's own process; the tests
+    that read it run last)."""
     import sys
 
     from helpers import EARLY_TIMEOUT_S, run_to_end, torchrun_env
@@ -24,8 +38,8 @@ def early(work: Path) -> dict[str, object]:
     script = Path(__file__).resolve().parent.parent / "dist_scripts" / "agree_ranks.py"
     out = work / "agree"
     out.mkdir()
-    return {"agree": run_to_end("agree", [sys.executable, str(script), str(out)], out, timeout_s=EARLY_TIMEOUT_S,
-                                env=torchrun_env())}
+    return {"agree": run_to_end("agree", [sys.executable, "-c", RANKS, str(script), str(out)], out,
+                                timeout_s=EARLY_TIMEOUT_S, env=torchrun_env())}
 
 
 @pytest.fixture(scope="module")
