@@ -1,6 +1,7 @@
-"""Two gloo ranks (CPU, spawned processes) run ``distributed.agree`` and four guarded steps each,
-and save what they saw to ``OUT/rank{0,1}.pt``: ``python agree_ranks.py OUT``. tests/unit/test_agree.py
-runs it as its module's early job and checks the results."""
+"""Two gloo ranks (CPU) run ``distributed.agree`` and four guarded steps each, and save what they
+saw to ``OUT/rank{0,1}.pt``: ``python agree_ranks.py OUT`` spawns them. tests/unit/test_agree.py's
+early job runs its ``_rank`` in two processes forked from a warm one instead (no torch import
+each), and checks the results."""
 
 import sys
 import tempfile
