@@ -328,6 +328,28 @@ def warm_workers(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     return ["--no-python", sys.executable, str(stand_in)], {**env, "AMPGUARD_WARM_SERVER": warm.server_address()}
 
 
+WARM_PYTHON = """#!/usr/bin/env bash
+# gpu.sh's $PYTHON here: its commands that import torch (a script on stdin, -m ampguard) forked warm
+# (tests/warm_worker.py's stand-in), not fresh interpreters importing torch first (~3 s of CPU each);
+# a script on stdin, `python - ARGS`, as `-c SCRIPT ARGS`; its other commands as they are
+case "$1 $2" in
+    "- "*) shift; code=$(cat); exec {python} {stand_in} -c "$code" "$@" ;;
+    "-m ampguard") exec {python} {stand_in} "$@" ;;
+esac
+exec {python} "$@"
+"""
+
+
+def gpu_sh_python(folder: Path) -> tuple[Path, dict[str, str]]:
+    """(a ``PYTHON`` for benchmarks/gpu.sh, written in ``folder``: :data:`WARM_PYTHON`; the environment
+    it needs): what the gpu.sh tests (test_bench_cli, test_gpu_sh_review54, test_bench_review26) run it with."""
+    (_, python, stand_in), env = warm_workers({})
+    path = folder / "warm-python"
+    path.write_text(WARM_PYTHON.format(python=python, stand_in=stand_in))
+    path.chmod(0o755)
+    return path, env
+
+
 GLOO = torch.distributed.is_available() and torch.distributed.is_gloo_available()
 TORCHRUN = [pytest.mark.slow, pytest.mark.skipif(not GLOO, reason="torch.distributed with the gloo backend is not available")]
 """The marks of a module of torchrun launches (``pytestmark = TORCHRUN``): slow, and skipped without gloo."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import warm
 
-from helpers import FullStdout, end_all, warm_workers
+from helpers import FullStdout, end_all, gpu_sh_python
 
 from ampguard.cli import main
 
@@ -187,31 +187,10 @@ def test_bench_json_carries_the_runs_settings(capsys):
         assert guarded["half_width"] <= 0.5 and rounds >= 8
 
 
-WARM_PYTHON = """#!/usr/bin/env bash
-# gpu.sh's $PYTHON here: its commands that import torch (a script on stdin, -m ampguard) forked warm
-# (tests/warm_worker.py's stand-in), not fresh interpreters importing torch first (~3 s of CPU each);
-# a script on stdin, `python - ARGS`, as `-c SCRIPT ARGS`; its other commands as they are
-case "$1 $2" in
-    "- "*) shift; code=$(cat); exec {python} {stand_in} -c "$code" "$@" ;;
-    "-m ampguard") exec {python} {stand_in} "$@" ;;
-esac
-exec {python} "$@"
-"""
-
-
-def _warm_python(folder: Path) -> tuple[Path, dict[str, str]]:
-    """(a ``PYTHON`` for gpu.sh, written in ``folder``: :data:`WARM_PYTHON`; the environment it needs)."""
-    (_, python, stand_in), env = warm_workers({})
-    path = folder / "warm-python"
-    path.write_text(WARM_PYTHON.format(python=python, stand_in=stand_in))
-    path.chmod(0o755)
-    return path, env
-
-
 @pytest.fixture(scope="module")
 def warm_python(tmp_path_factory):
-    """gpu.sh's ``PYTHON`` and what it needs (:func:`_warm_python`)."""
-    python, env = _warm_python(tmp_path_factory.mktemp("python"))
+    """gpu.sh's ``PYTHON`` and what it needs (:func:`helpers.gpu_sh_python`)."""
+    python, env = gpu_sh_python(tmp_path_factory.mktemp("python"))
     return {**env, "PYTHON": str(python)}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import warm
-from helpers import warm_workers
+from helpers import gpu_sh_python
 
 from ampguard.cli import main
 
@@ -190,30 +190,9 @@ def test_a_sigterm_while_the_json_is_printed_waits_until_it_is_whole():
     assert done.stderr.rstrip().endswith("ampguard: interrupted") and "Traceback" not in done.stderr
 
 
-WARM_PYTHON = """#!/usr/bin/env bash
-# gpu.sh's $PYTHON here: its commands that import torch (a script on stdin, -m ampguard) forked warm
-# (tests/warm_worker.py's stand-in), not fresh interpreters importing torch first (~3 s of CPU each);
-# a script on stdin, `python - ARGS`, as `-c SCRIPT ARGS`; its other commands as they are
-case "$1 $2" in
-    "- "*) shift; code=$(cat); exec {python} {stand_in} -c "$code" "$@" ;;
-    "-m ampguard") exec {python} {stand_in} "$@" ;;
-esac
-exec {python} "$@"
-"""
-
-
-def _warm_python(folder: Path) -> tuple[Path, dict[str, str]]:
-    """(a ``PYTHON`` for gpu.sh, written in ``folder``: :data:`WARM_PYTHON`; the environment it needs)."""
-    (_, python, stand_in), env = warm_workers({})
-    path = folder / "warm-python"
-    path.write_text(WARM_PYTHON.format(python=python, stand_in=stand_in))
-    path.chmod(0o755)
-    return path, env
-
-
 def test_gpu_sh_keeps_the_last_json_when_a_bench_writes_json_cut_short(tmp_path):
     # review 26 #5: bench_json checked only that the file was not empty before replacing the last good one
-    python, env = _warm_python(tmp_path)  # (the other commands: the real Python, those importing torch forked warm)
+    python, env = gpu_sh_python(tmp_path)  # (the other commands: the real Python, those importing torch forked warm)
     fake = tmp_path / "python"
     fake.write_text(f"""#!/usr/bin/env bash
 if [ "$1 $2 $3" = "-m ampguard bench" ]; then printf '{{"machine": "cut sh'; exit 143; fi

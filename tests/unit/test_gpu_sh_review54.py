@@ -10,7 +10,7 @@ now ``versions()`` falls back to ``AMPGUARD_COMMIT``, which gpu.sh sets (from gi
 
 The gpu.sh cases run a copy of the script in a folder of its own (no git there, a ``.whl`` of its
 own), with the real pip and the real Python (its commands that import torch forked warm, where the
-case is not about the wheels: :data:`WARM_PYTHON`); they stop before any stage runs.
+case is not about the wheels: :func:`helpers.gpu_sh_python`); they stop before any stage runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import warm_workers
+from helpers import gpu_sh_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,31 +38,10 @@ def test_versions_takes_the_commit_from_ampguard_commit_where_git_finds_no_check
     assert versions()["ampguard_commit"] == "0123abc-dirty"
 
 
-WARM_PYTHON = """#!/usr/bin/env bash
-# gpu.sh's $PYTHON here: its commands that import torch (a script on stdin, -m ampguard) forked warm
-# (tests/warm_worker.py's stand-in), not fresh interpreters importing torch first (~3 s of CPU each);
-# a script on stdin, `python - ARGS`, as `-c SCRIPT ARGS`; its other commands as they are
-case "$1 $2" in
-    "- "*) shift; code=$(cat); exec {python} {stand_in} -c "$code" "$@" ;;
-    "-m ampguard") exec {python} {stand_in} "$@" ;;
-esac
-exec {python} "$@"
-"""
-
-
-def _warm_python(folder: Path) -> tuple[Path, dict[str, str]]:
-    """(a ``PYTHON`` for gpu.sh, written in ``folder``: :data:`WARM_PYTHON`; the environment it needs)."""
-    (_, python, stand_in), env = warm_workers({})
-    path = folder / "warm-python"
-    path.write_text(WARM_PYTHON.format(python=python, stand_in=stand_in))
-    path.chmod(0o755)
-    return path, env
-
-
 @pytest.fixture(scope="module")
 def warm_python(tmp_path_factory):
-    """gpu.sh's ``PYTHON`` (:func:`_warm_python`), and the environment it needs."""
-    return _warm_python(tmp_path_factory.mktemp("python"))
+    """gpu.sh's ``PYTHON`` (:func:`helpers.gpu_sh_python`), and the environment it needs."""
+    return gpu_sh_python(tmp_path_factory.mktemp("python"))
 
 
 def _copy(tmp_path):
