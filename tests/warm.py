@@ -134,10 +134,14 @@ def _ensure_running() -> None:
     second one there (each early job's own, ~6 s of CPU importing torch again)."""
     from multiprocessing import forkserver
 
-    kept = os.environ.get("PYTHONPATH")
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None or "ensure_running" in vars(server):  # (running, or shared)
+        server.ensure_running()
+        return
+    kept = os.environ.get("PYTHONPATH")  # (set only for the server's launch: no other thread's child sees it)
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [kept])])
     try:
-        forkserver._forkserver.ensure_running()
+        server.ensure_running()
     finally:
         if kept is None:
             del os.environ["PYTHONPATH"]
@@ -269,8 +273,8 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
         os.setsid()
     elif spec["group"]:
         os.setpgid(0, 0)
-    if spec["nice"] > os.getpriority(os.PRIO_PROCESS, 0):  # (the forkserver's is its starter's: 0 in the suite)
-        os.setpriority(os.PRIO_PROCESS, 0, min(spec["nice"], 19))
+    if spec["niceness"] > os.getpriority(os.PRIO_PROCESS, 0):  # (the forkserver's is its starter's: 0 in the suite)
+        os.setpriority(os.PRIO_PROCESS, 0, min(spec["niceness"], 19))
     if "tied" in fds:  # (SIGKILL when the pipe's other end closes: its holder ended, however)
         tied = fds["tied"]
         fcntl.fcntl(tied, fcntl.F_SETOWN, os.getpid())
@@ -413,13 +417,14 @@ class Popen:
                  process_group: int | None = None, file_size: int | None = None, nice: int = 0,
                  death_signal: int = 0, share_server: bool = False, tied: int | None = None) -> None:
         kind, what, child_argv, unbuffered = _command([str(a) for a in argv])
+        server = _server()  # (started here if it was not, with tests/ on its path: _ensure_running)
         env = dict(os.environ if env is None else env)
         cwd = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
         first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
             cwd if kind == "module" else "")
         spec = {"cwd": cwd, "env": env, "session": start_new_session, "group": process_group == 0,
-                "file_size": file_size, "nice": os.getpriority(os.PRIO_PROCESS, 0) + nice, "death_signal": death_signal,
-                "shared": server_pid() if share_server else None,
+                "file_size": file_size, "niceness": os.getpriority(os.PRIO_PROCESS, 0) + nice,
+                "death_signal": death_signal, "shared": server._forkserver_pid if share_server else None,
                 "kind": kind, "what": what, "argv": child_argv,
                 "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],
                 "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED"))}
@@ -451,8 +456,6 @@ class Popen:
         if tied is not None:
             fds["tied"] = tied
         try:
-            _context()
-            _ensure_running()  # (what Process.start would do, with tests/ on a new server's path)
             self._process = _context().Process(target=_child, args=(spec, {n: _Fd(fd) for n, fd in fds.items()}),
                                                daemon=False)
             with _main_left_out():
