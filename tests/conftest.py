@@ -55,21 +55,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _rewrite_ahead(config: pytest.Config, timeout_s: float = 120) -> None:
-    """Have pytest's assertion rewriting of the test modules under the suite's paths written to
-    their ``__pycache__`` before xdist's workers start (tests/rewritten.py: each worker rewrote
-    every module it collected, ~24 s of CPU each, where bytecode is not written), in two processes
-    (the cores the workers will use), waited for: a module they did not reach is rewritten by the
-    workers as before."""
+    """Have pytest's assertion rewriting of the test modules under the suite's paths
+    (:func:`_test_files`) written to their ``__pycache__`` before xdist's workers start
+    (tests/rewritten.py: each worker rewrote every module it collected, ~24 s of CPU each, where
+    bytecode is not written), in two processes (the cores the workers will use), waited for: a
+    module they did not reach is rewritten by the workers as before."""
     if config.getoption("assertmode", "rewrite") != "rewrite":
         return
-    files: list[str] = []
-    for arg in config.args or [str(config.rootpath)]:
-        top = Path(arg.split("::")[0]).resolve()
-        if top.is_file():
-            files += [str(top)] if top.suffix == ".py" else []
-        elif top.is_dir():
-            files += sorted(str(f) for f in top.rglob("*.py") if (f.name.startswith("test_") or f.name == "conftest.py")
-                            and not any(part.startswith(".") or part in ("__pycache__", "build") for part in f.relative_to(top).parts))
+    files = [str(f) for f in _test_files(config)]
     if len(files) < 8:
         return
     script = str(Path(__file__).with_name("rewritten.py"))
@@ -182,12 +175,10 @@ KEEP = "early.keep"
 """The file a worker leaves in the folder of a job that failed: the controller keeps the folder."""
 
 
-def _early_modules(config: pytest.Config) -> list[str]:
-    """The test modules that define an early job (a top-level ``def early(``) under the paths the
-    suite was given, longest first (:data:`EARLY_FIRST`): the controller cannot import them. The
-    folders pytest does not look in are not looked in (``norecursedirs``, ``--ignore``,
-    ``--ignore-glob``, dot folders: a ``.venv`` under the root held 2,000 test files, one not
-    UTF-8; review 43d)."""
+def _test_files(config: pytest.Config) -> list[Path]:
+    """The test modules (``test_*.py``) under the paths the suite was given, sorted. The folders
+    pytest does not look in are not looked in (``norecursedirs``, ``--ignore``, ``--ignore-glob``,
+    dot folders: a ``.venv`` under the root held 2,000 test files, one not UTF-8; review 43d)."""
     import fnmatch
 
     skipped = [*config.getini("norecursedirs"), *(config.getoption("ignore_glob", None) or [])]
@@ -199,16 +190,24 @@ def _early_modules(config: pytest.Config) -> list[str]:
 
     found = set()
     for arg in config.args or [str(config.rootpath)]:
-        top = Path(arg).resolve()
+        top = Path(arg.split("::")[0]).resolve()
         files = [top] if top.is_file() else []
         for folder, dirs, names in os.walk(top) if top.is_dir() else ():
             dirs[:] = [d for d in dirs if not left_out(os.path.join(folder, d), d)]
             files += [Path(folder, n) for n in names if fnmatch.fnmatch(n, "test_*.py")
                       and not left_out(os.path.join(folder, n), n)]
-        for f in files:
-            with contextlib.suppress(OSError):
-                if re.search(rb"^def early\(", f.read_bytes(), re.M):
-                    found.add(str(f))
+        found.update(files)
+    return sorted(found)
+
+
+def _early_modules(config: pytest.Config) -> list[str]:
+    """The test modules that define an early job (a top-level ``def early(``) among
+    :func:`_test_files`, longest first (:data:`EARLY_FIRST`): the controller cannot import them."""
+    found = set()
+    for f in _test_files(config):
+        with contextlib.suppress(OSError):
+            if re.search(rb"^def early\(", f.read_bytes(), re.M):
+                found.add(str(f))
     return sorted(found, key=lambda f: (Path(f).name not in EARLY_FIRST, EARLY_FIRST.index(Path(f).name)
                                         if Path(f).name in EARLY_FIRST else 0, f))
 
