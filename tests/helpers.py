@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import gc
 import importlib.util
 import io
 import json
@@ -28,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ampguard.checkpoint import REQUIRED
 from ampguard.cli import main
-from ampguard.sinks import CsvSink
+from ampguard.sinks import BackgroundSink, CsvSink
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository."""
@@ -45,6 +46,19 @@ class GatedCsv(CsvSink):
     def write(self, record: Any, extra: Any = None) -> None:
         assert self.gate.wait(timeout=60)
         super().write(record, extra)
+
+
+def dropped_unclosed(inner: Any, steps: Iterable[int]) -> threading.Thread:
+    """A :class:`~ampguard.sinks.BackgroundSink` in front of ``inner``, handed :func:`step_log` of
+    each of ``steps``, then dropped unclosed and collected (a notebook cell run again, a loop that
+    crashed): its writer thread, which writes what was queued, closes ``inner`` and ends."""
+    bg = BackgroundSink(inner)
+    for step in steps:
+        bg.write(step_log(step))
+    thread = bg._thread
+    del bg
+    gc.collect()
+    return thread
 
 
 class HostReads(TorchFunctionMode):

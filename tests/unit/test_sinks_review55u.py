@@ -7,14 +7,10 @@ from __future__ import annotations
 import gc
 import threading
 
-from helpers import GatedCsv, read_rows
+from helpers import GatedCsv, dropped_unclosed, read_rows, step_log
 
-from ampguard import CsvSink, StepLog
+from ampguard import CsvSink
 from ampguard.sinks import BackgroundSink
-
-
-def _record(step: int) -> StepLog:
-    return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
 
 
 def test_a_background_sink_dropped_unclosed_writes_its_queue_closes_its_file_and_ends(tmp_path):
@@ -22,7 +18,7 @@ def test_a_background_sink_dropped_unclosed_writes_its_queue_closes_its_file_and
     for run in range(3):  # (the notebook cell `bg = BackgroundSink(CsvSink(...))`, run three times)
         bg = BackgroundSink(GatedCsv(tmp_path / f"steps{run}.csv", gate))
         for step in (1, 2, 3):
-            bg.write(_record(step))
+            bg.write(step_log(step))
         threads.append(bg._thread)
         inners.append(bg.inner)
     del bg
@@ -43,12 +39,7 @@ def test_a_dropped_background_sinks_error_nobody_raised_is_one_line_on_stderr(tm
                 raise OSError(28, "No space left on device")
             super().write(record, extra)
 
-    bg = BackgroundSink(Full(tmp_path / "steps.csv"))
-    for step in (1, 2, 3):
-        bg.write(_record(step))
-    thread = bg._thread
-    del bg
-    gc.collect()
+    thread = dropped_unclosed(Full(tmp_path / "steps.csv"), (1, 2, 3))
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert capfd.readouterr().err == ("ampguard: a BackgroundSink nobody closed could not write all its "

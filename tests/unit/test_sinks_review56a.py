@@ -6,19 +6,14 @@ time: a stalled inner sink is said, with what it loses). F2: a ``write`` whose r
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 
 import warm
-from helpers import GatedCsv, read_rows
+from helpers import GatedCsv, dropped_unclosed, read_rows, step_log
 
 from ampguard import CsvSink, StepLog, sinks
 from ampguard.sinks import BackgroundSink
-
-
-def _record(step: int) -> StepLog:
-    return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
 
 
 CRASHED_LOOP = r'''
@@ -57,12 +52,7 @@ def test_a_sink_dropped_unclosed_just_before_the_exit_writes_every_row_it_was_gi
 def test_the_exit_waits_for_a_stalled_dropped_sink_a_bounded_time_then_says_what_it_loses(tmp_path, capfd,
                                                                                           monkeypatch):
     gate = threading.Event()
-    bg = BackgroundSink(GatedCsv(tmp_path / "steps.csv", gate))
-    for step in (1, 2, 3):
-        bg.write(_record(step))
-    thread = bg._thread
-    del bg
-    gc.collect()
+    thread = dropped_unclosed(GatedCsv(tmp_path / "steps.csv", gate), (1, 2, 3))
     monkeypatch.setattr(sinks, "DRAIN_AT_EXIT_S", 0.1)
     try:
         sinks._join_draining()  # (what the exit runs)
@@ -80,11 +70,7 @@ def test_the_exit_waits_for_a_stalled_dropped_sink_a_bounded_time_then_says_what
 
 
 def test_a_dropped_sinks_thread_is_let_go_once_it_wrote_its_queue(tmp_path):
-    bg = BackgroundSink(CsvSink(tmp_path / "steps.csv"))
-    bg.write(_record(1))
-    thread = bg._thread
-    del bg
-    gc.collect()
+    thread = dropped_unclosed(CsvSink(tmp_path / "steps.csv"), (1,))
     thread.join(timeout=30)
     assert not thread.is_alive() and thread not in sinks._DRAINING  # (a notebook keeps nothing of it)
     assert [row["step"] for row in read_rows(tmp_path / "steps.csv")] == ["1"]
@@ -106,7 +92,7 @@ def test_a_write_whose_prefetch_raised_leaves_its_room_in_the_queue(tmp_path):
     returned = threading.Event()
 
     def write_next() -> None:
-        bg.write(_record(1))
+        bg.write(step_log(1))
         returned.set()
 
     threading.Thread(target=write_next, daemon=True).start()

@@ -7,20 +7,14 @@ a thread stuck in the inner sink's ``close()`` after writing every row was said 
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 import time
 
 import warm
-from helpers import read_rows
+from helpers import dropped_unclosed, read_rows
 
-from ampguard import CsvSink, StepLog, sinks
-from ampguard.sinks import BackgroundSink
-
-
-def _record(step: int) -> StepLog:
-    return StepLog(step, lr=0.1, loss=0.5, grad_l2_pre_clip=2.0, grad_l2_post_clip=1.0, scaler_scale=1.0)
+from ampguard import CsvSink, sinks
 
 
 INTERRUPTED_EXIT = r'''
@@ -130,12 +124,7 @@ class _ClosingSlowly(CsvSink):
 def test_a_sink_stuck_closing_its_file_at_exit_is_said_so_not_losing_zero_records(tmp_path, capfd, monkeypatch):
     gate = threading.Event()
     inner = _ClosingSlowly(tmp_path / "steps.csv", gate)
-    bg = BackgroundSink(inner)
-    for step in (1, 2):
-        bg.write(_record(step))
-    thread = bg._thread
-    del bg
-    gc.collect()
+    thread = dropped_unclosed(inner, (1, 2))
     monkeypatch.setattr(sinks, "DRAIN_AT_EXIT_S", 0.1)
     try:
         assert inner.closing.wait(timeout=30)
