@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from collections.abc import Iterator
 from typing import Any, overload
 
@@ -125,8 +126,7 @@ class DataStream:
             batch = self._peek_global()
         except Exception:  # noqa: BLE001 - the user's stream, past what the run reads: no fingerprint
             return None
-        if not all(isinstance(leaf, (torch.Tensor, str, bytes, int, float, bool, type(None)))
-                   for leaf in tree_leaves(batch)):
+        if not all(isinstance(leaf, (torch.Tensor, *PLAIN_LEAVES)) for leaf in tree_leaves(batch)):
             return None
         return _hashed(batch)
 
@@ -228,7 +228,8 @@ class DataStream:
 
 
 def _hashed(batch: Batch) -> str:
-    """A SHA-256 of a batch: each tensor's dtype, shape and bytes, any other leaf's ``repr``."""
+    """A SHA-256 of a batch: each tensor's dtype, shape and bytes, any other leaf's text as every
+    process writes it (:func:`_leaf_text`): ranks compare it (:func:`check_same_data`)."""
     h = hashlib.sha256()
     for leaf in tree_leaves(batch):
         if isinstance(leaf, torch.Tensor):
@@ -236,8 +237,38 @@ def _hashed(batch: Batch) -> str:
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         else:
-            h.update(repr(leaf).encode())
+            h.update(_leaf_text(leaf).encode())
     return h.hexdigest()
+
+
+PLAIN_LEAVES = (str, bytes, int, float, bool, type(None))
+"""The leaves, besides tensors, whose ``repr`` is their value alone."""
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+"""Where a ``repr`` names an object's address (``<Tags object at 0x7f...>``, a function's)."""
+
+
+def _leaf_text(leaf: Any) -> str:
+    """A batch leaf that is no tensor, as text that is the same in every process for the same
+    value: its ``repr``, with a set's members sorted (a set of strings iterates in the order of
+    the process's hash secret, and a set's order follows its history in any process) and an
+    address left out (review 58e: identical batches of fresh ranks read as different data).
+    A plain value's text is its ``repr``, as before (the digest a checkpoint keeps).
+
+    Example::
+
+        >>> grown = set(); grown.add(9); grown.add(1)
+        >>> repr(grown) == repr({1, 9}), _leaf_text(grown) == _leaf_text({1, 9})
+        (False, True)
+        >>> _leaf_text(object())
+        '<object object>'
+    """
+    if isinstance(leaf, PLAIN_LEAVES):
+        return repr(leaf)
+    if isinstance(leaf, (set, frozenset)):
+        return f"{type(leaf).__name__}({{{', '.join(sorted(map(_leaf_text, leaf)))}}})"
+    if isinstance(leaf, tuple):  # (a set's member: a batch's own tuples are branches, not leaves)
+        return f"({''.join(_leaf_text(m) + ', ' for m in leaf)})"
+    return _ADDRESS.sub("", repr(leaf))
 
 
 def check_same_data(data: DataStream, who: str) -> str | None:

@@ -8,7 +8,7 @@ import torch
 from helpers import deadline
 
 from ampguard.config import validate
-from ampguard.data import DataStream
+from ampguard.data import DataStream, _hashed, _leaf_text
 from ampguard.distributed import DistInfo
 from ampguard.faults import SPIKE_FACTOR, FaultInjector, parse_fault
 from ampguard.tasks import build_task
@@ -196,3 +196,33 @@ def test_peek_gives_the_next_batch_without_faults_and_without_moving(task, unint
     assert data.position == 3
     assert torch.equal(x, uninterrupted[3][0][2:]) and torch.equal(y, uninterrupted[3][1][2:])  # rank 1's half, clean
     assert same(data.peek(), (x, y))
+
+
+class Tags:
+    """A batch field of the user's with ``object``'s ``repr`` (its address)."""
+
+
+def test_the_digest_ranks_compare_is_the_same_for_the_same_batch_in_any_process():
+    """Review 58e: fresh torchrun ranks reading identical batches were refused as reading different
+    data when a batch held a set (its order follows the process's hash secret, and its own
+    history) or an object whose ``repr`` names its address."""
+    grown = set()
+    grown.add(9), grown.add(1)  # (1 and 9 share a slot of a small set: its order is its history's)
+    assert repr(grown) != repr({1, 9})
+    x = torch.arange(4.0)
+    assert _hashed((x, {"tags": grown})) == _hashed((x, {"tags": {1, 9}}))
+    assert _hashed((x, frozenset({("a", 1), ("b", 2)}))) == _hashed((x, frozenset({("b", 2), ("a", 1)})))
+    one, another = Tags(), Tags()  # (both alive: two addresses)
+    assert _hashed((x, {"meta": one})) == _hashed((x, {"meta": another}))
+    # what differs still differs: the members, the type, the tensors
+    assert _hashed((x, {"tags": {1, 9}})) != _hashed((x, {"tags": {1, 8}}))
+    assert _hashed((x, {"tags": {1, 9}})) != _hashed((x, {"tags": frozenset({1, 9})}))
+    assert _hashed((x, {"meta": Tags()})) != _hashed((x, {"meta": object()}))
+    assert _hashed((x, {"tags": {1, 9}})) != _hashed((x + 1, {"tags": {1, 9}}))
+
+
+def test_a_plain_leafs_text_is_its_repr_as_a_checkpoints_fingerprint_kept_it():
+    """The digest of a batch of tensors and plain values is what an earlier ampguard kept in a
+    checkpoint (``data_next``): a string that looks like an address is a value, kept whole."""
+    for leaf in ("x at 0x1234", b"\x00", 3, 2.5, True, None):
+        assert _leaf_text(leaf) == repr(leaf)
