@@ -169,7 +169,7 @@ class TrainingBatches:
 
 FACTORY_KEYS = ("model", "data", "loss_fn", "metrics", "evaluate", "held_out", "mode", "edge_cases", "predict",
                 "batches_from")
-"""The keys a factory's mapping may hold (README, "Your own model")."""
+"""The keys a factory's mapping may hold (README, "Bring your own model")."""
 
 
 def _check_model_and_loss(model: Any, loss_fn: Any, spec: str) -> None:
