@@ -220,6 +220,9 @@ STUCK_AFTER_S = 10.0
 """The least time a main thread that has not moved since a stop signal is given before
 :func:`watch_stuck` takes it as stuck in C (a run gives it more: three times its slowest step)."""
 
+STUCK_POLL_S = 0.25
+"""How often :func:`watch_stuck` looks at the main thread once a stop signal came."""
+
 
 @contextmanager
 def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[int], None]) -> Iterator[None]:
@@ -231,8 +234,11 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
     a run that takes the signal up closes within a step) and the main thread has stayed
     :attr:`StopFlag.watched` with its stack unchanged for ``grace()`` seconds, the watcher calls
     ``on_stuck(signum)`` (the run writes what it can, alone, and leaves; it takes the run over
-    only if the run is still not closing). Nothing happens without a signal; outside the main thread
-    nothing is watched.
+    only if the run is still not closing). Those seconds are the ones the process ran: the watcher
+    looks every :data:`STUCK_POLL_S`, and a look that comes later than two of them counts as two
+    (the whole process stood still, its watcher too: SIGSTOP ... SIGCONT, a scheduler's suspend, a
+    debugger's stop; a step it stopped in is not stuck, and a hang still is once it ran the grace).
+    Nothing happens without a signal; outside the main thread nothing is watched.
 
     Example (no signal: the watcher only waits)::
 
@@ -273,12 +279,15 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
             signum = next((b for b in os.read(read, 512) if b in STOP_SIGNALS), None)
         if signum is None:
             return
-        at, since = where(), time.monotonic()
-        while not done.wait(0.25) and not flag.closing:
+        at, still, last = where(), 0.0, time.monotonic()
+        while not done.wait(STUCK_POLL_S) and not flag.closing:
             now, here = time.monotonic(), where()
+            # (a poll that comes late is time this thread did not run either: the process stopped,
+            # SIGSTOP ... SIGCONT, a scheduler's suspend, a debugger; it counts as two polls at most)
+            still, last = still + min(now - last, 2 * STUCK_POLL_S), now
             if here != at or not flag.watched:
-                at, since = here, now
-            elif now - since >= grace():
+                at, still = here, 0.0
+            elif still >= grace():
                 on_stuck(signum)
                 return
 

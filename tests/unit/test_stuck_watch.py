@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import ampguard
 from ampguard import signals
 from ampguard.signals import Interrupted, opening, stop_on_signals, watch_stuck
 
@@ -161,3 +165,45 @@ def test_opening_leaves_an_ignored_sigterm_ignored():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------- a process stopped (review 58c F1)
+# A stop signal mid-step, then the whole process suspended for longer than the grace (SIGSTOP ...
+# SIGCONT: Ctrl-Z, a scheduler's suspend, a debugger): the watcher, stopped too, took the time it
+# did not run as the main thread's and fired as soon as the process went on. Under torchrun the
+# rank then closed alone, without its final checkpoint, "waited over 10 s in a collective".
+
+SUSPENDED = """
+import ctypes, os, signal
+from ampguard.signals import Watched, stop_on_signals, watch_stuck
+def stuck(signum):
+    print("stuck", flush=True)
+    os._exit(0)
+with stop_on_signals() as stop, watch_stuck(stop, lambda: 2.0, stuck), Watched(stop):
+    signal.siginterrupt(signal.SIGTERM, False)  # (the read goes on after the signal, as a collective's wait)
+    print("busy", flush=True)
+    ctypes.CDLL(None).read(0, ctypes.create_string_buffer(1), 1)  # (until the parent writes: never here)
+print("let go", flush=True)
+"""
+
+
+def test_the_time_a_stopped_process_stood_still_is_not_counted_as_stuck_and_a_hang_still_is():
+    src = str(Path(ampguard.__file__).resolve().parents[1])  # (the child runs the code under test)
+    child = subprocess.Popen([sys.executable, "-c", SUSPENDED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": src})
+    try:
+        assert child.stdout.readline() == "busy\n"
+        child.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # (the watcher has the signal: it counts)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)  # stopped for longer than the grace (2 s)
+        child.send_signal(signal.SIGCONT)
+        went_on = time.monotonic()
+        assert child.stdout.readline() == "stuck\n"  # the main thread never moves: still a hang
+        # ... once the process ran the grace: 0.3 s before the stop, at most 0.5 s counted for the stop,
+        # ~1.2 s after it (it fired at the watcher's first look after SIGCONT, within ~0.3 s)
+        assert 0.7 <= time.monotonic() - went_on < 10
+        assert child.wait(timeout=10) == 0
+    finally:
+        child.kill()
+        child.wait()
