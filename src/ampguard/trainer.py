@@ -144,7 +144,7 @@ class Trainer:
         self.take_back = take_back  # undoes what outputs() made: a stop while opening ended the process
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
         self._group_rng: Any = None  # the RNG states where the open accumulation group began
-        self._slowest = 0.0  # the slowest step so far (s, its agreement in): how long a stuck main thread is given
+        self._slowest = (0.0, 0.0)  # the two slowest steps so far (s, their agreement in): _slow_step()
         self._handoff = threading.Lock()  # who closes the run: the main thread, or the stuck-watcher (_stuck)
         self._taken_over = False  # the stuck-watcher closes this rank and ends the process
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
@@ -470,7 +470,8 @@ class Trainer:
                 except BadBatch as bad:  # the steps before it stand: their records, the run card
                     self._back_to_the_group_start()
                     return Stop(ExitCode.BAD_INPUT, f"bad data at step {self.state.steps + 1}: {bad}", BAD_DATA)
-            self._slowest = max(self._slowest, time.monotonic() - began)
+            _, second, slowest = sorted((*self._slowest, time.monotonic() - began))  # (the two slowest: _slow_step)
+            self._slowest = (second, slowest)
             self.throughput.steady()  # the run card's throughput counts from the end of the first step
             if self.state.steps >= self.config.steps:
                 self.throughput.ended()  # ... to the end of the last (not its evaluation, the final save)
@@ -569,7 +570,7 @@ class Trainer:
                 why = raised(err)
                 if self.dist.active:  # the same global stream on every rank: the same record raises on each
                     why = distributed.every_rank_raised(f"{self._attempt}/{self.data.position}", why,
-                                                        max(STUCK_AFTER_S, 3 * self._slowest))
+                                                        max(STUCK_AFTER_S, 3 * self._slow_step()))
                     if why is None:  # this rank's own failure: a stop on it alone would leave the others
                         raise        # waiting in the step's collectives; the traceback ends the job (torchrun)
                 raise BadBatch(why) from None
@@ -824,12 +825,22 @@ class Trainer:
 
         return f" ({in_float8(self.fp8_layers)})"
 
+    def _slow_step(self) -> float:
+        """How long a slow step of this run takes (s): the second slowest so far (the slowest while
+        one step alone is timed; 0 before), so that one step alone does not set it for the rest of
+        the run: one the process was stopped in (SIGSTOP ... SIGCONT, a scheduler's suspend, a
+        debugger's stop: the monotonic clock goes on) would have made the stuck grace hours long. A
+        slowness that comes again (a data loader starting its workers each epoch) counts."""
+        second, slowest = self._slowest
+        return second or slowest
+
     def _stuck_grace(self) -> float:
         """How long the main thread may stay where it is in a step after a stop signal before it
         is taken as stuck in a collective (:func:`~ampguard.signals.watch_stuck`): three of the
-        run's slowest steps, at least :data:`~ampguard.signals.STUCK_AFTER_S`; never before the
-        first step is timed (a compile, a warm-up)."""
-        return max(STUCK_AFTER_S, 3 * self._slowest) if self._slowest else math.inf
+        run's slow steps (:meth:`_slow_step`), at least :data:`~ampguard.signals.STUCK_AFTER_S`;
+        never before the first step is timed (a compile, a warm-up)."""
+        slow = self._slow_step()
+        return max(STUCK_AFTER_S, 3 * slow) if slow else math.inf
 
     def _stuck(self, stop: StopFlag, signum: int) -> None:
         """On the stuck-watcher's thread, under torchrun: a stop signal came and the main thread

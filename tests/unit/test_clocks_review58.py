@@ -1,0 +1,47 @@
+"""Review 58c (time and clocks over long runs): one step the process stood still in (SIGSTOP ...
+SIGCONT, a scheduler's suspend) set the torchrun stuck grace for the rest of the run (F2); the
+progress bar timed with the wall clock, which can be stepped (F4). The stuck-watcher's own count
+(F1) is ``tests/unit/test_stuck_watch.py``'s; a step number past int64 in ``report`` and
+``compare`` (F3), ``tests/e2e/test_report_hostile.py``'s."""
+
+from __future__ import annotations
+
+import time
+
+from ampguard import trainer as trainer_module
+from ampguard.config import validate
+from ampguard.run_folder import RunPaths
+from ampguard.trainer import Trainer
+
+
+def trainer_of(tmp_path, name: str, slow_steps: set[int], slow_s: float) -> Trainer:
+    config = validate({"task": {"name": "linear"}, "steps": 8, "precision": "fp32", "device": "cpu",
+                       "eval": {"enabled": False}, "checkpoint": {"enabled": False},
+                       "log": {"dir": str(tmp_path / "runs"), "name": name, "plot": False}})
+    trainer = Trainer(config, outputs=lambda: RunPaths.new_run_dir(config), console_every=10**6, stats_every=None,
+                      print_fn=lambda line: None, progress=False, resume=None)
+    step = trainer.train_step
+
+    def train_step():
+        if trainer.state.steps + 1 in slow_steps:
+            time.sleep(slow_s)  # (what the monotonic clock sees of a process stopped mid-step)
+        return step()
+
+    trainer.train_step = train_step  # type: ignore[method-assign]
+    return trainer
+
+
+# ---------------------------------------------------------------------------- F2: the stuck grace
+
+
+def test_one_step_the_process_stood_still_in_does_not_set_the_stuck_grace_and_a_slowness_that_comes_again_does(
+        tmp_path, monkeypatch):
+    # the grace was 3 x the slowest step: after one suspension of an hour, the watcher waited ~3 h,
+    # past any scheduler's kill, and so did every_rank_raised for a rank's data failure
+    monkeypatch.setattr(trainer_module, "STUCK_AFTER_S", 0.0)  # (the floor, 10 s, would hide the steps' times)
+    once = trainer_of(tmp_path, "once", {5}, 0.4)
+    assert int(once.run().exit_code) == 0
+    assert once._stuck_grace() < 3 * 0.4  # three of the other steps (each well under 0.4 s)
+    twice = trainer_of(tmp_path, "twice", {3, 6}, 0.4)  # (a data loader's workers starting each epoch)
+    assert int(twice.run().exit_code) == 0
+    assert twice._stuck_grace() >= 3 * 0.4
