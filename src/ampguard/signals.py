@@ -218,7 +218,8 @@ class Watched:
 
 STUCK_AFTER_S = 10.0
 """The least time a main thread that has not moved since a stop signal is given before
-:func:`watch_stuck` takes it as stuck in C (a run gives it more: three times its slowest step)."""
+:func:`watch_stuck` takes it as stuck in C (a run gives it more: three times its slow step,
+``Trainer._slow_step``)."""
 
 STUCK_POLL_S = 0.25
 """How often :func:`watch_stuck` looks at the main thread once a stop signal came."""
