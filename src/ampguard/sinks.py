@@ -347,6 +347,11 @@ def _reading(path: str | Path, torn: list[str] | None = None) -> Iterator[Iterat
         raise InputError(f"{path}: cannot read it ({failed_because(err)})") from None
 
 
+LAST_STEP = 2**63 - 1
+"""The largest step number a steps.csv may hold (:class:`StepColumns` keeps steps as int64): a run's
+steps stop far below (``steps`` is at most 1e9), a row past it is refused as bad input."""
+
+
 class StepColumns:
     """The columns of a per-step CSV a plot draws, in compact arrays (numpy's, one number a step
     and column: ~50 bytes a step, where a :class:`Row` and its cells took ~650; review 55b: a plot
@@ -495,6 +500,8 @@ def _rows(path: Path, reader: Iterator[list[str]], extra: list[dict[str, str]] |
             step = int(cell["step"])
         except ValueError:
             raise InputError(f"{where}: step {cell['step']!r} is not a step number (a whole number from 1)") from None
+        if step > LAST_STEP:  # (StepColumns holds them as int64)
+            raise InputError(f"{where}: step {step} is past the last step number ({LAST_STEP})")
         if step <= previous:
             raise InputError(f"{where}: step {step}, but steps count from 1" if not previous else
                              f"{where}: step {step} twice (a row repeated)" if step == previous else

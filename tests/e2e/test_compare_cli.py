@@ -76,12 +76,17 @@ def test_compare_says_what_each_run_card_says_and_draws_the_overlay(cli, sweep, 
     assert rates == sorted(rates, reverse=True) and rates[0] > rates[-1]
 
 
-@pytest.mark.parametrize("case", ["one run", "no run card", "a csv", "missing", "twice", "existing out", "not png"])
+@pytest.mark.parametrize("case", ["one run", "no run card", "a csv", "missing", "twice", "existing out", "not png",
+                                  "step past int64"])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(cli, sweep, tmp_path, case):
     a, b = sweep / "clip-0.5", sweep / "clip-1"
-    half = tmp_path / "half-run"
+    half, huge = tmp_path / "half-run", tmp_path / "huge"
     shutil.copytree(b, half)
     (half / "RUN.md").unlink()  # a run killed before its end
+    shutil.copytree(b, huge)  # (review 58c F3: a step past 2**63 - 1, which report's plot cannot hold, was read)
+    lines = (huge / "steps.csv").read_text(encoding="utf-8").splitlines()
+    lines[-1] = f"{2**63}," + lines[-1].split(",", 1)[1]
+    (huge / "steps.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (tmp_path / "old.png").write_bytes(b"keep me")
     argv, expected = {
         "one run": ([a], "compare: needs at least two run folders, got 1"),
@@ -92,6 +97,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(cli, sweep, tmp_path, 
         "existing out": ([a, b, "--out", "old.png"], "compare: --out old.png exists and is not a PNG; refusing to "
                                                      "overwrite it"),
         "not png": ([a, b, "--out", "cmp.svg"], "compare: --out cmp.svg: the plot is a PNG; name a .png file"),
+        "step past int64": ([a, huge, "--out", "cmp.png"], f"compare: {huge / 'steps.csv'} line 21: step {2**63} is past "
+                                                           f"the last step number ({2**63 - 1})"),
     }[case]
     before_here, before_runs = snapshot_of(tmp_path), snapshot_of(sweep)
     code, out, err = cli("compare", *argv)

@@ -100,6 +100,20 @@ def test_report_refuses_a_step_that_int_would_take_but_is_no_whole_number_in_asc
     assert f"line 2: step {step!r} is not a step number (a whole number from 1)" in line, line
 
 
+def test_report_refuses_a_step_past_int64_in_one_line_and_writes_nothing(cli, tmp_path, snapshot):
+    # review 58c F3: the plot keeps steps as int64, and a step past 2**63 - 1 was an OverflowError's
+    # traceback (exit 1); the last one that fits is read
+    last, row = 2**63 - 1, ",0.1,2.0,1.0,0.5,0,,1.0"
+    (tmp_path / "s.csv").write_text(csv_text(HEADER, f"{last - 1}{row}", f"{last}{row}", f"{last + 1}{row}"),
+                                    encoding="utf-8")
+    before = snapshot(tmp_path)
+    line = refused(cli, "s.csv")
+    assert line == f"ampguard: error: s.csv line 4: step {last + 1} is past the last step number ({last})", line
+    assert snapshot(tmp_path) == before
+    (tmp_path / "t.csv").write_text(csv_text(HEADER, f"{last - 1}{row}", f"{last}{row}"), encoding="utf-8")
+    assert f"summary: steps={last} updates=2 " in ok(cli("report", "t.csv", "--no-plot"))
+
+
 @pytest.mark.parametrize("cell", ["1_000", " 1.5", "1.5 ", "\u0661.\u0665"])  # the last: ARABIC-INDIC 1.5
 def test_report_refuses_a_number_cell_float_would_take_but_no_writer_writes(cli, tmp_path, cell):
     (tmp_path / "s.csv").write_text(csv_text(HEADER, f"1,0.1,2.0,1.0,{cell},0,,1.0"), encoding="utf-8")
