@@ -8,6 +8,7 @@ only rank 0 has an :class:`EventLog` that writes or prints.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -87,11 +88,33 @@ class EventLog:
 
 
 def progress_bar(total: int, initial: int = 0) -> Any:
-    """A tqdm bar on stderr, off when stderr is not a terminal."""
+    """A tqdm bar on stderr, off when stderr is not a terminal, timed by the monotonic clock
+    (:func:`_monotonic_tqdm`)."""
+    return _monotonic_tqdm()(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                             disable=None)
+
+
+@functools.cache
+def _monotonic_tqdm() -> type:
+    """tqdm timing its bar (elapsed, rate, ETA) by ``time.monotonic``, as :class:`Throughput` does.
+    Its own clock is the wall clock, which can be stepped (NTP, an admin, a VM's resume): stepped
+    back, the bar showed a negative elapsed time and stopped refreshing; forward, an ETA of years
+    (review 58c). tqdm has no public setting for it: its clock is the private ``_time`` (4.x),
+    set in ``__init__``, so it is replaced only where a bar has one (a tqdm without it, or a
+    disabled bar, keeps its own). tqdm's monitor thread still reads the wall clock, so it takes
+    this bar's last print for long ago: every 10 s, if the bar lets updates pass between prints
+    (``miniters`` > 1), it refreshes it and sets ``miniters`` back to 1 (what it does to a bar
+    that has not printed for 10 s), nothing else."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
-                disable=None)
+    class MonotonicTqdm(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if callable(getattr(self, "_time", None)):
+                self._time = time.monotonic
+                self.start_t = self.last_print_t = self._time()
+
+    return MonotonicTqdm
 
 
 PEAK_TFLOPS: dict[str, float] = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,

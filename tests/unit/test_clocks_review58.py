@@ -6,10 +6,13 @@ progress bar timed with the wall clock, which can be stepped (F4). The stuck-wat
 
 from __future__ import annotations
 
+import io
+import sys
 import time
 
 from ampguard import trainer as trainer_module
 from ampguard.config import validate
+from ampguard.events import progress_bar
 from ampguard.run_folder import RunPaths
 from ampguard.trainer import Trainer
 
@@ -45,3 +48,34 @@ def test_one_step_the_process_stood_still_in_does_not_set_the_stuck_grace_and_a_
     twice = trainer_of(tmp_path, "twice", {3, 6}, 0.4)  # (a data loader's workers starting each epoch)
     assert int(twice.run().exit_code) == 0
     assert twice._stuck_grace() >= 3 * 0.4
+
+
+# ---------------------------------------------------------------------------- F4: the progress bar's clock
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:  # (tqdm draws its bar only on a terminal: disable=None)
+        return True
+
+
+def test_the_progress_bar_times_with_the_monotonic_clock_not_the_wall_clock(monkeypatch):
+    # the wall clock stepped back a day showed a negative elapsed time ("-23:59:59") and stopped
+    # the bar's refreshes; stepped forward a year, an elapsed time of 8760 h and an ETA of 61,341 h
+    import tqdm.std
+
+    wall = [time.time()]
+    monkeypatch.setattr(tqdm.std, "time", lambda: wall[0])  # (tqdm's clock: `from time import time`)
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    bar = progress_bar(1000)
+    try:
+        for jump in (-86400.0, 365 * 86400.0):
+            wall[0] += jump
+            bar.update(100)
+            bar.refresh()
+            elapsed = bar.format_dict["elapsed"]
+            assert 0 <= elapsed < 60, (jump, elapsed)
+            assert "-" not in str(bar) and "8760:" not in str(bar), str(bar)
+    finally:
+        bar.close()
+    assert "step" in sys.stderr.getvalue()  # (it drew)
+
