@@ -1677,7 +1677,10 @@ def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Conf
     which refuses weights that do not fit, naming the task settings behind a misfit), then its
     ``task`` settings against ``config``'s (:func:`check_task_settings`: weights that fit a model
     of other settings, review 53b). Returns what the callers read of the payload: its ``step``,
-    ``config`` and ``state.scaler`` (where it has one).
+    ``config`` and ``state.scaler`` (where it has one); and, as the payload holds them, unchecked
+    (a replay of a saved batch and validate read neither), ``data_position`` (where the run's data
+    went on after it: locate checks it, :func:`check_field`, and reads the step it replays from
+    there) and ``run_id`` (None without one).
 
     The payload is loaded on the host (``map_location``) and ``load_state_dict`` copies the
     weights onto the model's device; nothing else of it is kept (review 56c: validate and locate
@@ -1693,7 +1696,7 @@ def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Conf
         check_field(path, payload, key)
     check_task_settings(payload, settings, path)
     state = payload[STATE]  # (a mapping: load_weights checks it)
-    return {STEP: payload[STEP], CONFIG: payload[CONFIG],
+    return {STEP: payload[STEP], CONFIG: payload[CONFIG], DATA: payload.get(DATA), RUN_ID: payload.get(RUN_ID),
             STATE: {"scaler": state["scaler"]} if "scaler" in state else {}}
 
 

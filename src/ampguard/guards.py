@@ -532,8 +532,9 @@ class Rollbacks:
         if self.spikes is not None:  # the window the checkpoint kept: the losses of the model the run keeps
             self.spikes.restore_or_reset((loaded.payload[STATE].get("monitors") or {}).get("loss_spike"))
         if self.events is not None:
+            # (data_position: where step + 1 reads; locate --step N after it seeks there, review 58d)
             self.events.emit({"step": step, "event": "rollback", "message": message, "checkpoint": loaded.path.name,
-                              "kind": decision.kind, "updates_undone": undone,
+                              "kind": decision.kind, "updates_undone": undone, "data_position": self.data.position,
                               "evidence": f"rollback/{evidence.name}" if evidence is not None else None,
                               "evidence_checkpoint": f"rollback/{base.name}" if base is not None else None},
                              "ROLLBACK")

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import InputError, brief, counted, user_code
+from .errors import AmpguardWarning, InputError, brief, counted, user_code, whole_number
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, fp32_forward, round_float32
 
 
@@ -1580,7 +1580,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     import itertools
 
     from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
-    from .checkpointer import load_trained_weights
+    from .checkpointer import DATA, check_field, load_trained_weights
     from .faults import FaultInjector, check_nan_input, check_steps, parse_fault
     from .tasks import build_task
 
@@ -1601,7 +1601,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         precision.check(model, device)  # what train refuses (and fp16/fp8 on a CPU: a SlowPrecisionWarning)
     except ValueError as err:
         raise InputError(f"precision: {err}") from None
-    checkpoint_scale = saved_step = None
+    checkpoint_scale = saved_step = saved = None
     if checkpoint:
         saved = load_trained_weights(model, checkpoint, config, data_id=task.data_id)
         checkpoint_scale = _checkpoint_scale(checkpoint, saved["state"].get("scaler"), config, precision)
@@ -1616,7 +1616,18 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         where = f"batch {batch}"
     else:
         n = config.accumulation_steps
-        stream = injector.wrap_data(task.stream((step - 1) * n), first_step=step)  # seeks: no reading up to it
+        if saved is not None and saved["step"] < step:  # (one saved at or after the step: its position is not used)
+            check_field(checkpoint, saved, DATA)  # (an int >= 0: where the run's data went on after it)
+        # where the run read the step: a rollback moved its data on (review 58d: (step - 1) x n was replayed)
+        rollbacks = _run_rollbacks(config, checkpoint, saved)
+        start = replay_position(step, n, saved=None if saved is None else (saved["step"], saved[DATA]),
+                                rollbacks=rollbacks)
+        if rollbacks is None and config.rollback.triggers:
+            warnings.warn(f"locate: no events.jsonl of the run found (beside the checkpoint, nor in log.dir/log.name): "
+                          f"step {step} is replayed on the batches at position {start}, as if no rollback had moved "
+                          "the data on (pass the run's config.yaml, or a checkpoint in its run folder)",
+                          AmpguardWarning, stacklevel=2)
+        stream = injector.wrap_data(task.stream(start), first_step=step)  # seeks: no reading up to it
         batches = list(itertools.islice(stream, n))
     scaler_on = config.scaler_on  # else no saved scale applies
     loss_scale = _replay_scale(given=scale, batch_file=batch_scale if scaler_on else None,
@@ -1645,6 +1656,89 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     scale_from = ("--scale" if scale is not None else "none" if not scaler_on else
                   "batch" if batch_scale is not None else "checkpoint" if checkpoint_scale is not None else "init")
     return result, where, device, (loss_scale, scale_from), saved_step
+
+
+def replay_position(step: int, n: int, *, saved: tuple[int, int] | None = None,
+                    rollbacks: Sequence[Mapping[str, Any]] | None = ()) -> int:
+    """The data position (micro-batches taken before it) where the run read step ``step``'s ``n``
+    micro-batches. Each step takes ``n``, from the latest of: the run's start; the checkpoint
+    ``saved`` (its step and data position) when it was saved before ``step``; and each of the run's
+    ``rollbacks`` (its ``rollback`` events, ``{step, data_position}``) after that and before
+    ``step``: a rollback seeks the data on past the batches that triggered it (``skip_batches``),
+    and the step after it reads from its ``data_position``. ``rollbacks`` None: the run's events
+    were not found (a checkpoint copied out of its run folder), read as no rollback.
+
+    A rollback between them whose event names no position (a run from before its events held
+    one, or a hand edit) is one :class:`InputError` line: where step ``step`` read is not known,
+    and a checkpoint saved after the rollback says it.
+
+    Example (a run that rolled back at step 25 and went on at position 40)::
+
+        >>> replay_position(31, 1), replay_position(31, 2)  # no checkpoint, no rollback: (step - 1) x n
+        (30, 60)
+        >>> rollback = {"step": 25, "data_position": 40}
+        >>> replay_position(31, 1, saved=(30, 45)), replay_position(31, 1, saved=(20, 20), rollbacks=[rollback])
+        (45, 45)
+        >>> replay_position(25, 1, saved=(20, 20), rollbacks=[rollback])  # the rollback's own step read before it
+        24
+        >>> replay_position(31, 1, saved=(40, 55), rollbacks=[rollback])  # (a later checkpoint says nothing of it)
+        45
+        >>> try:
+        ...     replay_position(31, 1, saved=(20, 20), rollbacks=[{"step": 25}])
+        ... except InputError as err:
+        ...     print(err)
+        locate: the run rolled back at step 25, after the checkpoint's step 20 and before step 31, and its events.jsonl does not say where the data went on from there: pass a --checkpoint saved after step 25 and before step 31 (its data position is the run's)
+    """
+    at, position = 0, 0
+    if saved is not None and saved[0] < step:
+        at, position = saved
+    for event in rollbacks or ():
+        if not at < event["step"] < step:  # (one at the checkpoint's step came before its save: in its position)
+            continue
+        if not whole_number(event.get("data_position")):
+            since = f"the checkpoint's step {at}" if saved is not None and at == saved[0] and at else "the start"
+            raise InputError(f"locate: the run rolled back at step {event['step']}, after {since} and before step "
+                             f"{step}, and its events.jsonl does not say where the data went on from there: pass a "
+                             f"--checkpoint saved after step {event['step']} and before step {step} (its data "
+                             "position is the run's)")
+        at, position = event["step"], event["data_position"]
+    return position + (step - 1 - at) * n
+
+
+def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any] | None
+                   ) -> list[dict[str, Any]] | None:
+    """The rollbacks of the run whose step ``locate`` replays, from its ``events.jsonl`` (those on
+    the timeline the run kept, as ``report`` reads them: a resume from an earlier step abandoned
+    the later ones): the run folder that holds ``checkpoint`` (in its ``checkpoints/``, a
+    ``checkpoints/abandoned-*/`` or ``rollback/``), else ``log.dir/log.name`` of ``config`` (the
+    run's own ``config.yaml`` names its folder); a folder whose run id is not the checkpoint's is
+    another run's, passed over. None when no such folder holds an ``events.jsonl``."""
+    import os
+    from pathlib import Path
+
+    from .report import LoggedEvents
+    from .run_folder import RunPaths
+
+    folders = []
+    if checkpoint:
+        parent = Path(checkpoint).resolve().parent
+        if parent.name.startswith("abandoned-") and parent.parent.name == "checkpoints":
+            parent = parent.parent
+        if parent.name in ("checkpoints", "rollback"):
+            folders.append(parent.parent)
+    if isinstance(config.log.name, str) and config.log.name:
+        folders.append(Path(os.path.expanduser(config.log.dir), config.log.name))
+    for folder in folders:
+        if not (folder / "events.jsonl").is_file():
+            continue
+        try:
+            folder_id = RunPaths.existing(folder).run_id()
+        except InputError:  # (a damaged run-id file: not known to be the checkpoint's run)
+            continue
+        if saved is not None and isinstance(saved.get("run_id"), str) and folder_id and folder_id != saved["run_id"]:
+            continue
+        return LoggedEvents(folder).kept(lambda event: event.get("event") == "rollback", at_resume=True)
+    return None
 
 
 def _injected_at(faults: list[Any], step: int, missed: Sequence[str] = ()) -> str:
