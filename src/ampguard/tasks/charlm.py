@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import InputError, counted
+from ..errors import InputError, counted, failed_because
 from .base import Task, batch_generator, mean_loss
 
 SOURCES: tuple[str, ...] = (
@@ -32,7 +32,11 @@ VAL_FRACTION = 0.1
 
 
 def read_corpus() -> torch.Tensor:
-    """The standard-library sources in :data:`SOURCES` as one uint8 tensor.
+    """The standard-library sources in :data:`SOURCES` as one uint8 tensor. One :class:`InputError`
+    line when one cannot be read (naming it and why: a source left unreadable to this user by an
+    install under ``umask 077``, which imports from its ``.pyc`` hide; a disk error), when none is
+    there, or when they hold no text (review 58d: a traceback, exit 1; and an empty corpus blamed
+    ``task.block_size``).
 
     Example::
 
@@ -41,9 +45,19 @@ def read_corpus() -> torch.Tensor:
         (torch.uint8, True, True)
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    chunks = [(stdlib / name).read_bytes() for name in SOURCES if (stdlib / name).is_file()]
+    chunks = []
+    for name in SOURCES:
+        path = stdlib / name
+        try:  # (is_file too: a folder it cannot search raises PermissionError there)
+            if path.is_file():
+                chunks.append(path.read_bytes())
+        except OSError as err:
+            raise InputError(f"charlm: cannot read the standard-library source {path}: {failed_because(err)}") from None
     if not chunks:
         raise InputError(f"charlm: none of the standard-library sources were found under {stdlib}")
+    if not any(chunks):
+        raise InputError(f"charlm: the standard-library sources under {stdlib} are empty "
+                         f"({counted(len(chunks), 'file')}, 0 bytes): no text to train on")
     data = b"\n".join(chunks)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
