@@ -19,7 +19,7 @@ import re
 import time
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +162,71 @@ def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+WORKER_DIED = "DataLoader worker (pid"
+"""How the error of torch's SIGCHLD handler begins (``torch.utils.data._utils.signal_handling``:
+a worker process of a ``DataLoader`` the process reads has died)."""
+
+
+@contextlib.contextmanager
+def child_exits_held() -> Iterator[None]:
+    """SIGCHLD's Python handler held back for the block: a child's exit in it is noted, and the
+    handler run for it once the block is over, on every path (the handler put back first).
+
+    Torch's ``DataLoader`` with worker processes sets a handler that raises ``DataLoader worker
+    (pid N) exited unexpectedly`` wherever the main thread is when a worker dies (an OOM kill):
+    in a checkpoint's write it cut the save short (the checkpoint lost, a traceback, exit 1), at
+    a data read it was bad data (exit 2, the checkpoint kept), by timing (review 58d). Run after
+    the write, that error is passed over: the worker is the data's, and its loader says it died at
+    its next read (torch looks at its workers while a read waits on one), a bad batch; any other
+    error of a handler goes on.
+
+    Only SIGCHLD's handler: SIGINT, SIGTERM (:mod:`~ampguard.signals`) and every other signal are
+    handled as ever. Not by blocking it (``pthread_sigmask``): that is the calling thread's mask,
+    and another thread that does not block it (a torch or a sink's thread) takes the signal, and
+    Python runs the handler on the main thread all the same. Main thread only (where a handler can
+    be set: elsewhere the block runs as it is); nothing to hold where the handler is not Python's
+    (``SIG_DFL``: nothing raises) or the platform has no SIGCHLD.
+
+    Example (a handler that raises as torch's does: held, it runs once the block is over)::
+
+        >>> import signal
+        >>> def torch_like(signum, frame):
+        ...     raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+        >>> before = signal.signal(signal.SIGCHLD, torch_like)
+        >>> with child_exits_held():
+        ...     signal.raise_signal(signal.SIGCHLD)  # (a worker died)
+        ...     print("the write goes on")
+        the write goes on
+        >>> signal.getsignal(signal.SIGCHLD) is torch_like
+        True
+        >>> _ = signal.signal(signal.SIGCHLD, before)
+    """
+    import signal
+    import threading
+
+    child = getattr(signal, "SIGCHLD", None)
+    handler = signal.getsignal(child) if child is not None else None
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    signal.signal(child, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        try:
+            try:  # (a pending handler of another signal that raises here leaves SIGCHLD's: set it again)
+                signal.signal(child, handler)
+            finally:
+                if signal.getsignal(child) is not handler:
+                    signal.signal(child, handler)
+            if noted:
+                signal.raise_signal(child)  # (its handler runs here, as for the signal that came)
+        except RuntimeError as err:
+            if not str(err).startswith(WORKER_DIED):
+                raise
+
+
 def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     """Write ``payload`` (plus the ampguard marker) to ``path`` atomically; return the path.
 
@@ -187,24 +252,26 @@ def save_checkpoint(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     # file made at a name no one can guess, new, never through what lies there (review 55d: a predictable
     # .NAME.tmp-PID opened following links had a root resume write a checkpoint over a file a link led to)
     folder, target = _reached(path, False, path)  # (the plain path where the OS cannot walk: Windows)
-    try:
-        tmp, fd = _make_temporary(folder, target.name, 0o666, os.fspath(target.parent))
-        (at, at_fd), renamed = _at(folder, tmp), False
+    # (a DataLoader worker that dies in the write, its folder's fsync included, is said at the data's next read)
+    with child_exits_held():
         try:
-            with open(fd, "wb") as f:
-                torch.save({"magic": MAGIC, "format": FORMAT, **payload}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(at, _at(folder, target.name)[0], src_dir_fd=at_fd, dst_dir_fd=at_fd)
-            renamed = True
+            tmp, fd = _make_temporary(folder, target.name, 0o666, os.fspath(target.parent))
+            (at, at_fd), renamed = _at(folder, tmp), False
+            try:
+                with open(fd, "wb") as f:
+                    torch.save({"magic": MAGIC, "format": FORMAT, **payload}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(at, _at(folder, target.name)[0], src_dir_fd=at_fd, dst_dir_fd=at_fd)
+                renamed = True
+            finally:
+                if not renamed:
+                    with contextlib.suppress(OSError):
+                        os.unlink(at, dir_fd=at_fd)
+            if isinstance(folder, int):  # (a folder the plain path cannot open cannot be synced)
+                _sync(folder)
         finally:
-            if not renamed:
-                with contextlib.suppress(OSError):
-                    os.unlink(at, dir_fd=at_fd)
-        if isinstance(folder, int):  # (a folder the plain path cannot open cannot be synced)
-            _sync(folder)
-    finally:
-        _let_go(folder)
+            _let_go(folder)
     return path
 
 

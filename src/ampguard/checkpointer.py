@@ -396,22 +396,28 @@ class CheckpointManager:
     def save(self, step: int) -> Path | None:
         """Write ``step-<step>.pt`` (atomic), prune to ``keep`` (and ``hold``), delete partial saves other
         processes left (:func:`ckpt.remove_partial`); the path on rank 0, else None. Every rank
-        must call it: FSDP2 state dicts and the RNGs are gathered."""
+        must call it: FSDP2 state dicts and the RNGs are gathered. A DataLoader worker that dies
+        meanwhile is said at the data's next read, not here (:func:`ckpt.child_exits_held`)."""
         if self.folder is None:
             return None
+        with ckpt.child_exits_held():
+            return self._save(step, self.folder)
+
+    def _save(self, step: int, folder: Path) -> Path | None:
+        """:meth:`save`'s work, in ``folder`` (the checkpoint folder)."""
         payload = {**self.meta(), STEP: step, **{key: part.state_dict() for key, part in self.parts.items()}}
         path = None
         if self.dist.is_main:
-            target = self.folder / ckpt.checkpoint_name(step)
+            target = folder / ckpt.checkpoint_name(step)
             try:
                 with writing(target):
                     path = ckpt.save_checkpoint(target, payload)
             except DiskFull as full:  # the file never took its name: earlier checkpoints are whole
                 self.failed = self.failed or full
             else:
-                ckpt.prune(self.folder, self.keep, self.hold(step) if self.hold is not None else None)
-                ckpt.remove_partial(self.folder, keep_pid=os.getpid())
-                self.saved = ckpt.list_checkpoints(self.folder)
+                ckpt.prune(folder, self.keep, self.hold(step) if self.hold is not None else None)
+                ckpt.remove_partial(folder, keep_pid=os.getpid())
+                self.saved = ckpt.list_checkpoints(folder)
         distributed.barrier()  # no rank reads checkpoints (a rollback) before rank 0 has written them
         return path
 
