@@ -27,7 +27,8 @@ from . import checkpointer as ck
 from . import distributed
 from .build import (build_headroom, build_monitor, build_sinks, build_spike_detector, build_state, check_forward,
                     check_trainable, fast_path, keep_fp32_modules, precision_of, resolve_device)
-from .checkpoint import checkpoint_step, list_checkpoints, other_data, rng_snapshot, set_rng_state, torch_rng_state
+from .checkpoint import (checkpoint_step, child_exits_held, list_checkpoints, other_data, rng_snapshot, set_rng_state,
+                         torch_rng_state)
 from .config import Config, plain_data
 from .data import DataStream, check_same_data
 from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised
@@ -675,10 +676,12 @@ class Trainer:
         if not self.config.checkpoint.enabled or self.state.mid_group or not self.checkpointer.enabled:
             return
         # the logs up to this step made durable first (the checkpoint is fsync'ed): after a machine
-        # crash a resume from it finds every row up to its step (it refuses a CSV that stops short)
-        self.sinks.sync()
-        self.events.sync()
-        path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
+        # crash a resume from it finds every row up to its step (it refuses a CSV that stops short);
+        # a DataLoader worker dying meanwhile is said at the data's next read (review 58d)
+        with child_exits_held():
+            self.sinks.sync()
+            self.events.sync()
+            path = self.checkpointer.save(self.state.steps)  # every rank takes part; rank 0 writes
         if path is not None:
             self.events.emit({"step": self.state.steps, "event": "checkpoint", "message": f"saved {path.name}"})
 
