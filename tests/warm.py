@@ -224,15 +224,16 @@ def _inherited(dup: Any) -> int:
     return dup.detach()
 
 
-def _stream(fd: int, name: str, *, unbuffered: bool, encoding: str, errors: str) -> io.TextIOWrapper:
-    """A standard stream on ``fd`` as CPython's start-up makes it (``create_stdio``)."""
-    raw = io.FileIO(fd, "w", closefd=False)
-    raw.name = name
-    tty = raw.isatty()
-    binary = raw if unbuffered else io.BufferedWriter(raw)
-    text = io.TextIOWrapper(binary, encoding=encoding, errors=errors, newline="\n",
-                            line_buffering=tty and not unbuffered, write_through=unbuffered)
-    text.mode = "w"
+def _stream(fd: int, mode: str, *, unbuffered: bool, encoding: str, errors: str) -> io.TextIOWrapper:
+    """The standard stream ``fd`` as CPython's start-up makes it (``create_stdio``): stdin buffered
+    whatever ``-u``; stdout and stderr buffered unless ``unbuffered`` (``-u``, ``PYTHONUNBUFFERED``),
+    then a line at a time on a terminal, and stderr a line at a time wherever it goes."""
+    buffer = io.open(fd, mode + "b", 0 if unbuffered and mode == "w" else -1, closefd=False)
+    raw = buffer if isinstance(buffer, io.FileIO) else buffer.raw
+    raw.name = ("<stdin>", "<stdout>", "<stderr>")[fd]
+    text = io.TextIOWrapper(buffer, encoding=encoding, errors=errors, newline="\n", write_through=unbuffered,
+                            line_buffering=not unbuffered and (raw.isatty() or fd == 2))
+    text.mode = mode
     return text
 
 
@@ -302,9 +303,9 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
     encoding, errors = (codecs.lookup(encoding).name if encoding else _FRESH_STDIO[0],
                         errors or ("strict" if encoding else _FRESH_STDIO[1]))
     unbuffered = spec["unbuffered"]
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding, errors=errors)
-    sys.stdout = sys.__stdout__ = _stream(1, "<stdout>", unbuffered=unbuffered, encoding=encoding, errors=errors)
-    sys.stderr = sys.__stderr__ = _stream(2, "<stderr>", unbuffered=True, encoding=encoding, errors="backslashreplace")
+    sys.stdin = sys.__stdin__ = _stream(0, "r", unbuffered=unbuffered, encoding=encoding, errors=errors)
+    sys.stdout = sys.__stdout__ = _stream(1, "w", unbuffered=unbuffered, encoding=encoding, errors=errors)
+    sys.stderr = sys.__stderr__ = _stream(2, "w", unbuffered=unbuffered, encoding=encoding, errors="backslashreplace")
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:  # (its default generator: each child its own, as each fresh process)

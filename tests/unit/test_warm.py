@@ -71,10 +71,19 @@ def test_a_module_and_a_script_run_as_main_with_their_argv_and_path(tmp_path):
     assert forked == fresh and fresh[1].startswith(f"__main__ {tmp_path / 'scripts/s.py'} ['scripts/s.py', 'b']")
 
 
+def without(*names: str, **values: str) -> dict[str, str]:
+    """This process's environment without ``names``, with ``values``: what a case compares does not
+    depend on what the machine sets (``PYTHONUNBUFFERED=1`` here hid a warm stderr always
+    unbuffered, review 58e)."""
+    return {**{k: v for k, v in os.environ.items() if k not in names}, **values}
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])  # (a shell's, CI's; PYTHONUNBUFFERED=1)
 @pytest.mark.parametrize("io_encoding", ["", "ascii", ":replace", "latin-1:ignore"])  # (none, a name, errors, both)
-def test_its_standard_streams_encode_as_a_fresh_interpreters(io_encoding):
-    env = {**os.environ, "PYTHONIOENCODING": io_encoding}
-    code = "import sys; print([(s.encoding, s.errors, s.line_buffering) for s in (sys.stdin, sys.stdout, sys.stderr)])"
+def test_its_standard_streams_encode_and_buffer_as_a_fresh_interpreters(io_encoding, unbuffered):
+    env = without("PYTHONUNBUFFERED", PYTHONIOENCODING=io_encoding, **({"PYTHONUNBUFFERED": "1"} if unbuffered else {}))
+    code = ("import sys; print([(s.encoding, s.errors, s.line_buffering, s.write_through, s.mode, repr(s.buffer))"
+            " for s in (sys.stdin, sys.stdout, sys.stderr)])")
     fresh, forked = both(["-c", code], env=env)
     assert forked == fresh
 
