@@ -24,6 +24,11 @@ from pathlib import Path
 # taken from the tests' own processes and the early jobs.
 for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+# No tqdm bar but one asked for (``disable=``; ampguard's own is off off a terminal either way).
+# tqdm reads TQDM_* once, as it is imported (torch's import brings it): here, and in the
+# forkserver the processes the tests start are forked from (tests/warm.py), whose children cannot
+# be given other ones (``warm.READ_AT_START``); the torchrun launches ask for it (helpers.torchrun_env).
+os.environ.setdefault("TQDM_DISABLE", "1")
 # The tests that compute with more than one thread (the bench pins the usable CPUs, two here; the
 # benchmark scripts' --threads) have OpenMP's threads sleep, not spin, between ops: spinning, each
 # one's second thread burned a core the other worker and the early jobs needed, and under load

@@ -339,7 +339,7 @@ def warm_workers(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     import warm
 
     stand_in = Path(__file__).with_name("warm_worker.py")
-    return ["--no-python", sys.executable, str(stand_in)], {**env, "AMPGUARD_WARM_SERVER": warm.server_address()}
+    return ["--no-python", sys.executable, str(stand_in)], {**env, "AMPGUARD_WARM_SERVER": warm.server_handle()}
 
 
 WARM_PYTHON = """#!/usr/bin/env bash
@@ -772,12 +772,15 @@ def _ended_ok(launch: Launch | Ended) -> None:
                             f"stderr tail:\n{launch.stderr[-4000:]}")
 
 def torchrun_env(**extra: str) -> dict[str, str]:
-    """This process's environment without the variables of an enclosing torchrun, one thread a
-    process, unbuffered output; and ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1", **extra)
+    """This process's environment without the variables of an enclosing torchrun, unbuffered output;
+    and ``extra``. One thread a process and no progress bars unless this process's environment says
+    otherwise (conftest.py sets them for the suite), not set over it: the warm processes (torchrun,
+    its workers) have their forkserver's, which started with this process's (warm.READ_AT_START)."""
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    env.update((k, v) for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                            "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"))
+    env.update(PYTHONUNBUFFERED="1", **extra)
     return env
 
 

@@ -11,10 +11,13 @@ command line describes before it runs a line of it:
 
 - its working folder, environment (``os.environ`` and the C environment), ``sys.argv`` and
   ``sys.path`` (the one a fresh ``python`` would have there, asked of one once), a session or a
-  process group of its own if asked (``start_new_session``, ``process_group=0``);
+  process group of its own if asked (``start_new_session``, ``process_group=0``); what a fresh
+  interpreter reads of its environment as it starts and a child can read again: its temporary
+  folder (``TMPDIR``), time zone (``TZ``) and ``-B``/``PYTHONDONTWRITEBYTECODE``;
 - its standard streams on the files or pipes given (``subprocess.PIPE``, ``DEVNULL``, a file, an
   fd, ``STDOUT``), stdin on ``/dev/null`` unless given; Python's text layers made as a fresh
-  interpreter makes them (``-u``/``PYTHONUNBUFFERED``, ``PYTHONIOENCODING``);
+  interpreter makes them (``create_stdio``: stderr a line at a time, all of them unbuffered under
+  ``-u``/``PYTHONUNBUFFERED``; ``PYTHONIOENCODING``);
 - ``-m MODULE``, ``-c CODE`` or a script run as ``__main__`` (``runpy``, as ``python`` does); then
   the interpreter's own ending: ``SystemExit``'s code (a message printed, code 1), a traceback and
   code 1 for an exception, non-daemon threads joined, ``atexit``'s functions run, the streams
@@ -29,7 +32,23 @@ encoding read at start-up beyond ``PYTHONIOENCODING``, starts ``subprocess.Popen
 imported before it are imported already (what a fresh process would import again, with its own
 environment, is shared); a parent-death signal names the forkserver, which ends with the process
 that started it, not the test (``death_signal``). Nothing of the test process's state reaches the
-child: the forkserver is a fresh interpreter.
+child: the forkserver is a fresh interpreter. But every child, and every torchrun rank forked
+warm, has the forkserver's hash secret and heap: ``hash()`` of a string, the order of a set of
+strings and an object's ``repr`` with its address are the same in all of them, where fresh
+processes differ; so no warm launch can catch ranks that disagree because of them (a check that
+the ranks agree on such a thing needs a launch whose workers are fresh). What Python or a module
+the forkserver imported read once as it started (Python's variables such as the hash seed and
+``PYTHONWARNINGS``, the locale, the thread pools' sizes, matplotlib's backend and folder, tqdm's
+defaults: :data:`READ_AT_START`) is the forkserver's: a command whose environment differs on one is refused (a ``ValueError``:
+start it fresh), as are ``-I``, ``-E``, ``-s`` and any option but ``-u`` and ``-B``; a
+``sitecustomize`` on the command's ``PYTHONPATH`` is not run (the early jobs' is for torchrun's
+stand-ins, which are fresh). The warning filters the forkserver's imports installed are the
+child's: torch's, which a fresh process importing torch installs too, and, in the forkserver of xdist's
+controller, whose children are the early jobs' processes, those of Lightning
+(``conftest.EARLY_PRELOAD``: ``torch.optim.lr_scheduler``'s UserWarnings and an FSDP
+FutureWarning ignored, in a plain ``ampguard train`` rank too), which are left as they are:
+taken back, a rank that imports Lightning would lack them; a test of such a warning in an early
+job's process starts it fresh.
 
 The early jobs' runners (conftest.py) and the Python scripts they run fork from the suite's
 forkserver too, and so do torchrun's workers, through a stand-in torchrun starts
@@ -60,6 +79,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -81,6 +101,49 @@ _IMPORTED_IN = os.getpid()
 """(The process that imported this module: in a child, the forkserver's, where PRELOAD imported it.)"""
 _CONTEXT: Any = None
 _BASE_PATH: dict[tuple[str, str | None], list[str]] = {}
+
+READ_AT_START = (
+    # CPython's own (3.11), but those a child sets again as a fresh interpreter has them
+    # (PYTHONPATH, PYTHONIOENCODING, PYTHONUNBUFFERED, PYTHONDONTWRITEBYTECODE) and PYTHONBREAKPOINT,
+    # read at each breakpoint(); the locale's, as Python sets LC_CTYPE from them
+    "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONPLATLIBDIR",
+    "PYTHONSTARTUP", "PYTHONOPTIMIZE", "PYTHONDEBUG", "PYTHONINSPECT", "PYTHONVERBOSE", "PYTHONCASEOK",
+    "PYTHONPYCACHEPREFIX", "PYTHONINTMAXSTRDIGITS", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
+    "PYTHONTRACEMALLOC", "PYTHONPROFILEIMPORTTIME", "PYTHONASYNCIODEBUG", "PYTHONMALLOC", "PYTHONMALLOCSTATS",
+    "PYTHONCOERCECLOCALE", "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONWARNDEFAULTENCODING", "PYTHONNODEBUGRANGES",
+    "LANG", "LC_ALL", "LC_CTYPE",
+    # the modules' the forkserver imported: the thread pools' (torch's, OpenMP's, MKL's, OpenBLAS's),
+    # matplotlib's backend and folder, and tqdm's defaults (TQDM_*: at its import, which torch's brings)
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MPLBACKEND", "MPLCONFIGDIR", "TQDM_*")
+"""The variables read once, as an interpreter starts, by Python or by a module the forkserver
+imported: a child forked from it has what the forkserver read, whatever its command's environment
+says, so :class:`Popen` refuses a command whose environment differs from the forkserver's on one of
+them (:func:`_read_at_start`). (Those a child reads again: its path, streams and ``-B``, above, and
+``TMPDIR`` and ``TZ``: :func:`_child`.)"""
+_STARTED_WITH: dict[str, str] | None = None
+"""The variables of :data:`READ_AT_START` the forkserver this process forks from started with:
+recorded as this process starts it (:func:`_ensure_running`), inherited from it (a child sharing
+it: :func:`_unforked`), or handed over (:func:`connect`)."""
+
+
+def _read_at_start(env: Any) -> dict[str, str]:
+    """The variables of ``env`` read once at start-up (:data:`READ_AT_START`, a ``*`` ending a prefix)."""
+    return {name: value for name, value in env.items()
+            if any(name == read or read.endswith("*") and name.startswith(read[:-1]) for read in READ_AT_START)}
+
+
+def _refuse_what_it_cannot_read(env: dict[str, str]) -> None:
+    """A ``ValueError`` naming the first variable read at start-up (:data:`READ_AT_START`) on which
+    ``env`` differs from the forkserver's environment: the child would run with the forkserver's."""
+    asked, had = _read_at_start(env), _STARTED_WITH or {}
+    for name in sorted(set(asked) | set(had)):
+        if asked.get(name) != had.get(name):
+            def shown(value: str | None) -> str:
+                return "unset" if value is None else repr(value)
+
+            raise ValueError(f"warm.Popen cannot give a child {name} {shown(asked.get(name))} (the forkserver's: "
+                             f"{shown(had.get(name))}): Python or a module the forkserver imported reads it once, as "
+                             "the interpreter starts; start this command in a fresh interpreter (subprocess.Popen)")
 
 
 def preload_also(modules: list[str]) -> None:
@@ -138,6 +201,8 @@ def _ensure_running() -> None:
     if server._forkserver_pid is not None or "ensure_running" in vars(server):  # (running, or shared)
         server.ensure_running()
         return
+    global _STARTED_WITH
+    _STARTED_WITH = _read_at_start(os.environ)
     kept = os.environ.get("PYTHONPATH")  # (set only for the server's launch: no other thread's child sees it)
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [kept])])
     try:
@@ -155,16 +220,24 @@ def server_pid() -> int:
 
 
 def server_address() -> str:
-    """The address of this process's forkserver (started if it has none, or the one it shares): what
-    a process that is not its child needs to ask it for a fork (:func:`connect`)."""
+    """The address of this process's forkserver (started if it has none, or the one it shares)."""
     return _server()._forkserver_address
 
 
-def connect(address: str) -> None:
-    """Have this process's :class:`Popen` fork from the forkserver at ``address`` (another process's:
-    :func:`server_address`), not start one of its own."""
+def server_handle() -> str:
+    """What a process that is not the forkserver's child needs to ask it for a fork (:func:`connect`):
+    its address and the variables it started with (:data:`READ_AT_START`), one string."""
+    address = server_address()
+    return json.dumps([address, _STARTED_WITH])
+
+
+def connect(handle: str) -> None:
+    """Have this process's :class:`Popen` fork from the forkserver ``handle`` names (another
+    process's: :func:`server_handle`), not start one of its own."""
     from multiprocessing import forkserver, resource_tracker
 
+    global _STARTED_WITH
+    address, _STARTED_WITH = json.loads(handle)
     _context()
     server = forkserver._forkserver
     server._forkserver_address = address
@@ -245,6 +318,9 @@ def _unforked(shared: int | None) -> None:  # pragma: no cover - in the child
     :class:`Popen` and :func:`server_address` (an early job's scripts and torchrun workers)."""
     from multiprocessing import context, forkserver, process
 
+    global _STARTED_WITH
+    # (the environment, not the command's yet, is the forkserver's: what it started with)
+    _STARTED_WITH = _read_at_start(os.environ) if shared is not None else None
     process._current_process = _MAIN_PROCESS()
     process._parent_process = None
     process._children = set()
@@ -270,6 +346,12 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
     os.chdir(spec["cwd"])
     os.environ.clear()
     os.environ.update(spec["env"])
+    # (what the interpreter or a module read of the environment at start-up that can be read again:
+    # the temporary folder, TMPDIR at the next gettempdir, torchrun's torchelastic_* folders in it;
+    # the time zone; -B/PYTHONDONTWRITEBYTECODE. The others Popen refuses to differ: _read_at_start)
+    tempfile.tempdir = None
+    time.tzset()
+    sys.dont_write_bytecode = spec["dont_write_bytecode"]
     if spec["session"]:
         os.setsid()
     elif spec["group"]:
@@ -382,20 +464,23 @@ def _ignored(where: str, error: BaseException) -> None:
         traceback.print_exception(type(error), error, None, file=sys.stderr)
 
 
-def _command(argv: list[str]) -> tuple[str, str, list[str], bool]:
-    """(kind, module/code/script, ``sys.argv``, ``-u``) of ``[python, *options, ...]``."""
-    args, unbuffered = list(argv[1:]), False
-    while args and args[0] in ("-u", "-B", "-I", "-E", "-s"):
-        unbuffered |= args.pop(0) == "-u"
+def _command(argv: list[str]) -> tuple[str, str, list[str], set[str]]:
+    """(kind, module/code/script, ``sys.argv``, the options of ``-u`` and ``-B`` given) of
+    ``[python, *options, ...]``. Any other option is refused: ``-I``, ``-E`` and ``-s`` change
+    what the interpreter read as it started (its path, ``PYTHON*``, the user's site), which a
+    child of the forkserver has read already."""
+    args, options = list(argv[1:]), set()
+    while args and args[0] in ("-u", "-B"):
+        options.add(args.pop(0))
     if not args:
         raise ValueError(f"warm.Popen runs a module, code or a script, not {argv!r}")
     if args[0] == "-m":
-        return "module", args[1], [args[1], *args[2:]], unbuffered
+        return "module", args[1], [args[1], *args[2:]], options
     if args[0] == "-c":
-        return "code", args[1], ["-c", *args[2:]], unbuffered
+        return "code", args[1], ["-c", *args[2:]], options
     if args[0].startswith("-"):
         raise ValueError(f"warm.Popen does not take the interpreter option {args[0]!r}")
-    return "script", args[0], args, unbuffered
+    return "script", args[0], args, options
 
 
 class Popen:
@@ -417,9 +502,10 @@ class Popen:
                  encoding: str | None = None, errors: str | None = None, start_new_session: bool = False,
                  process_group: int | None = None, file_size: int | None = None, nice: int = 0,
                  death_signal: int = 0, share_server: bool = False, tied: int | None = None) -> None:
-        kind, what, child_argv, unbuffered = _command([str(a) for a in argv])
+        kind, what, child_argv, options = _command([str(a) for a in argv])
         server = _server()  # (started here if it was not, with tests/ on its path: _ensure_running)
         env = dict(os.environ if env is None else env)
+        _refuse_what_it_cannot_read(env)
         cwd = os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd())
         first = os.path.dirname(os.path.abspath(os.path.join(cwd, what))) if kind == "script" else (
             cwd if kind == "module" else "")
@@ -428,7 +514,8 @@ class Popen:
                 "death_signal": death_signal, "shared": server._forkserver_pid if share_server else None,
                 "kind": kind, "what": what, "argv": child_argv,
                 "path": [first, *_fresh_path(str(argv[0]), env.get("PYTHONPATH"))],
-                "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED"))}
+                "unbuffered": "-u" in options or bool(env.get("PYTHONUNBUFFERED")),
+                "dont_write_bytecode": "-B" in options or bool(env.get("PYTHONDONTWRITEBYTECODE"))}
         self.args, self.returncode = argv, None
         self.stdin = None
         text = bool(text or universal_newlines or encoding or errors)

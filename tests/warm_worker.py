@@ -1,11 +1,12 @@
 """A torchrun worker forked warm: ``torchrun --no-python PYTHON warm_worker.py SCRIPT ARGS`` starts
-this stand-in, which asks the suite's forkserver (its address in ``AMPGUARD_WARM_SERVER``:
-``warm.server_address``) for ``python -u SCRIPT ARGS`` with the stand-in's environment (torchrun's
-``RANK``, ``WORLD_SIZE``...), working folder, niceness and standard streams, passes on each signal
-torchrun (or a test) sends it, and ends as the worker ended: its exit code, or killed by the same
-signal. The worker dies with it (``warm.Popen``'s ``tied``: SIGKILL when the stand-in ends, however
-it ends: torchrun's SIGKILL after its grace). A fresh worker spends ~4.5 s of CPU importing torch and
-``torch._dynamo`` first; the stand-in imports the standard library and ``warm``."""
+this stand-in, which asks the suite's forkserver (its address and the variables it started with
+in ``AMPGUARD_WARM_SERVER``: ``warm.server_handle``) for ``python -u SCRIPT ARGS`` with the
+stand-in's environment (torchrun's ``RANK``, ``WORLD_SIZE``...), working folder, niceness and
+standard streams, passes on each signal torchrun (or a test) sends it, and ends as the worker
+ended: its exit code, or killed by the same signal. The worker dies with it (``warm.Popen``'s
+``tied``: SIGKILL when the stand-in ends, however it ends: torchrun's SIGKILL after its grace). A
+fresh worker spends ~4.5 s of CPU importing torch and ``torch._dynamo`` first; the stand-in imports
+the standard library and ``warm``."""
 
 from __future__ import annotations
 

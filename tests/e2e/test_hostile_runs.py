@@ -209,7 +209,7 @@ DISK_CASES = {
 def disk_full_runs(tmp_path_factory):
     """Every case of :data:`DISK_CASES` run side by side in a subprocess under ``ulimit -f``:
     {name: (exit code, stdout, stderr, run folder)}."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # (one thread, no bars: the suite's, conftest.py)
     started = {}
     for name, (limit, extra) in DISK_CASES.items():
         cwd = tmp_path_factory.mktemp(f"disk-{name}")

@@ -201,7 +201,7 @@ def test_report_refuses_a_scale_no_scaler_has(cli, tmp_path, snapshot, first, sc
 def test_a_full_disk_leaves_no_half_row_and_report_reads_the_run(tmp_path, cli):
     # the first write took what fitted, the second raised EFBIG: steps.csv ended in half a row, and
     # report refused the run ("line 34: 3 cells, the header has 9")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # (one thread, no bars: the suite's, conftest.py)
     done = warm.run(
         [sys.executable, "-m", "ampguard", "train", *LINEAR, "--set", "steps=200", "--set", "checkpoint.enabled=false",
          "--set", "eval.enabled=false", "--set", "log.every=1000", "--set", "log.dir=runs", "--set", "log.name=full"],

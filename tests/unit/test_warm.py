@@ -88,8 +88,43 @@ def test_its_standard_streams_encode_and_buffer_as_a_fresh_interpreters(io_encod
     assert forked == fresh
 
 
+@pytest.mark.parametrize("option, variable", [("", ""), ("-B", ""), ("", "1")])  # (-B, PYTHONDONTWRITEBYTECODE)
+def test_its_temporary_folder_time_zone_and_bytecode_writing_are_its_environments(option, variable, tmp_path):
+    """What an interpreter reads of its environment as it starts and a warm child reads again
+    (review 58e: torchrun forked warm put its torchelastic_* folders in /tmp, not in the TMPDIR
+    tests/early_runner.py gives its launches; a warm child wrote bytecode as its forkserver did)."""
+    env = without("PYTHONDONTWRITEBYTECODE", TMPDIR=str(tmp_path), TZ="AMP-3",
+                  **({"PYTHONDONTWRITEBYTECODE": variable} if variable else {}))
+    code = "import sys, tempfile, time; print(tempfile.gettempdir(), time.tzname, time.timezone, sys.dont_write_bytecode)"
+    fresh, forked = both([*filter(None, [option]), "-c", code], env=env)
+    assert forked == fresh and fresh[1].startswith(f"{tmp_path} ('AMP', 'AMP') -10800 "), fresh
+
+
+@pytest.mark.parametrize("name, value", [("PYTHONHASHSEED", "12345"), ("PYTHONWARNINGS", "error"),
+                                         ("PYTHONFAULTHANDLER", "1"), ("OMP_NUM_THREADS", "3"), ("OMP_NUM_THREADS", None),
+                                         ("MPLBACKEND", "svg"), ("TQDM_MININTERVAL", "5"), ("LC_ALL", "warm.probe")])
+def test_a_variable_read_once_at_start_up_that_is_not_the_forkservers_is_refused(name, value):
+    """A child forked warm has what the forkserver read as it started (its hash secret, its warning
+    options, torch's threads, matplotlib's backend, tqdm's defaults, the locale): a command asking
+    for another is refused, not run under the forkserver's (review 58e)."""
+    env = without(name, **({} if value is None else {name: value}))
+    shown = "unset" if value is None else repr(value)
+    with pytest.raises(ValueError, match=rf"cannot give a child {name} {re.escape(shown)} \(the forkserver's: .*"
+                                         r"start this command in a fresh interpreter"):
+        warm.Popen([EXE, "-c", "pass"], env=env)
+
+
+@pytest.mark.parametrize("option", ["-I", "-E", "-s"])
+def test_an_option_that_changes_what_the_interpreter_reads_as_it_starts_is_refused(option):
+    """``-I``, ``-E``, ``-s``: a warm child has read its path and ``PYTHON*`` already, as the
+    forkserver did (review 58e: ``-I`` ran with ``PYTHONPATH`` on the path, not isolated)."""
+    with pytest.raises(ValueError, match=f"does not take the interpreter option '{option}'"):
+        warm.Popen([EXE, "-u", option, "-c", "pass"])
+
+
 def test_its_environment_console_encoding_and_unbuffered_output(tmp_path):
-    env = {**os.environ, "PYTHONIOENCODING": "ascii", "AMPGUARD_WARM_PROBE": "x"}
+    # (and variables no interpreter reads as it starts, though named like some: gpu.sh's PYTHON, a terminal's LC_*)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "AMPGUARD_WARM_PROBE": "x", "PYTHON": EXE, "LC_TERMINAL": "x"}
     code = ("import ctypes, os\nprint(os.environ['AMPGUARD_WARM_PROBE'], ctypes.CDLL(None).getenv(b'AMPGUARD_WARM_PROBE') != 0)"
             "\nprint('\u00fcn\u00ef')")
     fresh, forked = both(["-c", code], env=env, cwd=tmp_path)

@@ -81,3 +81,30 @@ def test_the_forkserver_imported_warm_and_matplotlib_before_the_fork():
     out = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True"]
+
+
+REFUSES = f"""
+import os, sys
+sys.path.insert(0, {TESTS!r})
+import warm
+if len(sys.argv) > 1:  # (not the forkserver's child: as torchrun's stand-in, tests/warm_worker.py)
+    warm.connect(sys.argv[1])
+print(warm.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=120).stdout.strip())
+try:
+    warm.Popen([sys.executable, "-c", "pass"], env={{**os.environ, "PYTHONHASHSEED": "12345"}})
+except ValueError as refused:
+    print(refused)
+"""
+
+
+def test_a_process_sharing_the_forkserver_or_connected_to_it_knows_what_it_started_with():
+    """What the forkserver read as it started (warm.READ_AT_START) is known to a process that forks
+    from it without having started it, a child sharing it or one handed it (``server_handle``): the
+    same environment runs, another hash seed is refused."""
+    for args, shared in (([], True), ([warm.server_handle()], False)):
+        done = warm.run([sys.executable, "-c", REFUSES, *args], capture_output=True, text=True, timeout=120,
+                        share_server=shared)
+        assert done.returncode == 0, done.stderr[-2000:]
+        ran, refused = done.stdout.splitlines()
+        assert ran == "ran" and refused.startswith("warm.Popen cannot give a child PYTHONHASHSEED '12345' (the "
+                                                   "forkserver's: unset)"), done.stdout
