@@ -39,16 +39,16 @@ processes differ; so no warm launch can catch ranks that disagree because of the
 the ranks agree on such a thing needs a launch whose workers are fresh). What Python or a module
 the forkserver imported read once as it started (Python's variables such as the hash seed and
 ``PYTHONWARNINGS``, the locale, the thread pools' sizes, matplotlib's backend and folder, tqdm's
-defaults: :data:`READ_AT_START`) is the forkserver's: a command whose environment differs on one is refused (a ``ValueError``:
-start it fresh), as are ``-I``, ``-E``, ``-s`` and any option but ``-u`` and ``-B``; a
-``sitecustomize`` on the command's ``PYTHONPATH`` is not run (the early jobs' is for torchrun's
-stand-ins, which are fresh). The warning filters the forkserver's imports installed are the
-child's: torch's, which a fresh process importing torch installs too, and, in the forkserver of xdist's
-controller, whose children are the early jobs' processes, those of Lightning
+defaults: :data:`READ_AT_START`) is the forkserver's: a command whose environment differs on one
+is refused (a ``ValueError``: start it fresh), as are ``-I``, ``-E``, ``-s`` and any option but
+``-u`` and ``-B``; a ``sitecustomize`` on the command's ``PYTHONPATH`` is not run (the early
+jobs' is for torchrun's stand-ins, which are fresh). The warning filters the forkserver's imports
+installed are the child's: torch's, which a fresh process importing torch installs too, and, in
+the forkserver of xdist's controller, whose children are the early jobs' processes, Lightning's
 (``conftest.EARLY_PRELOAD``: ``torch.optim.lr_scheduler``'s UserWarnings and an FSDP
-FutureWarning ignored, in a plain ``ampguard train`` rank too), which are left as they are:
-taken back, a rank that imports Lightning would lack them; a test of such a warning in an early
-job's process starts it fresh.
+FutureWarning ignored, in a plain ``ampguard train`` rank too), left as they are: taken back, a
+rank that imports Lightning would lack them; a test of such a warning in an early job's process
+starts it fresh.
 
 The early jobs' runners (conftest.py) and the Python scripts they run fork from the suite's
 forkserver too, and so do torchrun's workers, through a stand-in torchrun starts
@@ -112,7 +112,7 @@ READ_AT_START = (
     "PYTHONTRACEMALLOC", "PYTHONPROFILEIMPORTTIME", "PYTHONASYNCIODEBUG", "PYTHONMALLOC", "PYTHONMALLOCSTATS",
     "PYTHONCOERCECLOCALE", "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONWARNDEFAULTENCODING", "PYTHONNODEBUGRANGES",
     "LANG", "LC_ALL", "LC_CTYPE",
-    # the modules' the forkserver imported: the thread pools' (torch's, OpenMP's, MKL's, OpenBLAS's),
+    # those of the modules the forkserver imported: the thread pools' (torch's, OpenMP's, MKL's, OpenBLAS's),
     # matplotlib's backend and folder, and tqdm's defaults (TQDM_*: at its import, which torch's brings)
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MPLBACKEND", "MPLCONFIGDIR", "TQDM_*")
 """The variables read once, as an interpreter starts, by Python or by a module the forkserver
