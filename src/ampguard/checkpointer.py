@@ -91,7 +91,11 @@ RESUME_FIXED = ("precision", "accumulation_steps", "seed", "task", "optimizer.na
 """Config keys a resumed run must keep: changing any would make it differ from the uninterrupted run.
 ``scaler.enabled`` is compared as it takes effect (null is on for fp16), ``task`` as the settings the
 task reads (:func:`changed_task`: review 53i); the two rolling windows'
-contents are in the checkpoint, so their sizes cannot change (docs/resume.md has the table)."""
+contents are in the checkpoint, so their sizes cannot change (``rollback.window`` only where the
+checkpoint holds a loss-spike window: :func:`holds_spike_window`; docs/resume.md has the table)."""
+SPIKE_MONITOR = "loss_spike"
+"""The name the loss-spike detector's window is saved under in the guarded step's ``monitors``
+(:data:`ampguard.guards.LOSS_SPIKE`, the trigger's name)."""
 POLICY = "policy_changes"
 """Payload key (meta, never restored as a part): the policy changes made on resume so far, each
 ``{"key", "old", "new", "step"}``; a resumed run carries them on to its run card."""
@@ -1499,6 +1503,8 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None, 
     saved, now = as_it_ran(resume.saved_config), plain_data(config)
     where = resume.path if resume.picked else "the checkpoint"
     for key in RESUME_FIXED:
+        if key == "rollback.window" and not holds_spike_window(resume.loaded.payload):
+            continue  # (no detector's window to keep: loss_spike turned on here gets a window of its own)
         # a node's own task.options (its data path), as the run began with (check_same_configs
         # warns): the checkpoint's config is rank 0's, and a rank that gave its own again was
         # refused alone, the run never resumable (review 51g)
@@ -1523,6 +1529,31 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None, 
         raise InputError(f"{resume.path}: data position {position} is beyond what {counted(step, 'step')} could have taken "
                          f"({bound} = step x accumulation_steps + rollbacks x the largest rollback.skip_batches "
                          "the run used)")
+
+
+def holds_spike_window(payload: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint holds a loss-spike detector's window (whose size ``rollback.window``
+    is, so a resume must keep it): its run had the ``loss_spike`` trigger, or its guarded step's
+    state carries the window on (a run resumed with the trigger off keeps the one it loaded, for
+    a later resume that turns it back on: :class:`ampguard.step._Monitors`). A checkpoint of a run
+    that never had the trigger holds none (review 58a: ``loss_spike`` turned on at resume was
+    stuck with the window the first run's config happened to have).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> off = validate({}).model_dump(mode="json")
+        >>> on = validate({"rollback": {"triggers": ["loss_spike"]}, "checkpoint": {"every": 5}}).model_dump(mode="json")
+        >>> window = {"sum": {}, "sq": {}}
+        >>> [holds_spike_window({CONFIG: c, STATE: {"monitors": m}})
+        ...  for c, m in ((off, {}), (on, {SPIKE_MONITOR: window}), (off, {SPIKE_MONITOR: window}))]
+        [False, True, True]
+    """
+    rollback = (payload.get(CONFIG) or {}).get("rollback")
+    triggers = rollback.get("triggers") if isinstance(rollback, Mapping) else None
+    monitors = (payload.get(STATE) or {}).get("monitors")
+    return (isinstance(triggers, list) and SPIKE_MONITOR in triggers) or \
+        (isinstance(monitors, Mapping) and SPIKE_MONITOR in monitors)
 
 
 def changed_setting(saved: Mapping[str, Any], now: Mapping[str, Any], key: str,

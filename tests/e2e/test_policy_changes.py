@@ -143,6 +143,21 @@ def test_a_rollback_to_a_checkpoint_older_than_the_change_keeps_the_new_setting(
     assert [rows[s] for s in range(5, 9)] == [0.001] * 4
 
 
+def test_loss_spike_turned_on_at_resume_gets_its_own_window(tmp_path):
+    # review 58a: a run without the loss_spike trigger saves no spike window, yet a resume refused
+    # any rollback.window: the trigger turned on at resume was stuck with the default 50 (never
+    # full in a short run). With window 3 it judges from the fourth step after the resume.
+    ok(train(tmp_path, "R", *BASE, "--set", "precision=bf16", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=10"))
+    run = tmp_path / "R"
+    out = ok(ag("train", "--resume", run / "checkpoints" / "step-00000004.pt", "--set", "rollback.triggers=[loss_spike]",
+                "--set", "rollback.window=3", "--set", "rollback.skip_batches=1", "--inject", "spike@8"))
+    assert "POLICY 4 rollback.window 50 -> 3 from step 5" in out
+    assert "ROLLBACK 8" in out and "rolled back to step-00000006.pt" in out
+    # its window is in the checkpoints now: a later resume keeps it
+    line = one_error_line(ag("train", "--resume", run / "checkpoints" / "step-00000008.pt", "--set", "rollback.window=4"))
+    assert line == "ampguard: error: --resume: rollback.window was 3 in the checkpoint, now 4; a resumed run must keep it"
+
+
 def test_docs_resume_table_decides_every_setting():
     text = (ROOT / "docs" / "resume.md").read_text(encoding="utf-8")
     table = text[text.index("## Changing settings on resume"):]

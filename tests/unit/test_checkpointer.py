@@ -24,6 +24,7 @@ from ampguard.checkpointer import (
 from ampguard.config import validate
 from ampguard.distributed import DistInfo
 from ampguard.errors import InputError
+from ampguard.monitor import LossSpikeDetector
 
 
 class Fake:
@@ -437,7 +438,6 @@ FIXED_CHANGES = [
     ({"optimizer": {"name": "sgd"}}, "optimizer.name", "'adamw'", "'sgd'"),
     ({"optimizer": {"name": "adamw", "fused": False}}, "optimizer.fused", "null", "false"),
     ({"monitor": {"window": 7}}, "monitor.window", "1000", "7"),
-    ({"rollback": {"window": 7}}, "rollback.window", "50", "7"),
 ]
 
 
@@ -567,8 +567,33 @@ def test_the_fp8_recipe_is_fixed_on_resume_only_where_it_takes_effect():
                     _with(), world_size=1)
 
 
+def _spike_resume(rollback: dict[str, Any], monitors: dict[str, Any]) -> Resume:
+    saved = validate({**BASE, "rollback": rollback, "checkpoint": {"every": 4}}).model_dump(mode="json")
+    meta = _meta(8, saved)
+    meta[STATE]["monitors"] = monitors
+    return Resume(Loaded(Path("run/checkpoints/step-00000008.pt"), meta), Path("run"))
+
+
+def test_the_loss_spike_window_is_fixed_on_resume_only_where_the_checkpoint_holds_one():
+    # review 58a: rollback.window was refused whatever the checkpoint held, so loss_spike turned
+    # on at resume was stuck with the window the first run's config happened to have (50)
+    window = LossSpikeDetector(50, 6.0).state_dict()
+    spike = {"triggers": ["loss_spike"]}
+    none = _spike_resume({}, {})  # (a run with no loss_spike: no detector, no window saved)
+    ck.check_resume(none, _with(rollback={"window": 7}), world_size=1)
+    ck.check_resume(none, _with(rollback={**spike, "window": 4}, checkpoint={"every": 4}), world_size=1)
+    # a window the checkpoint holds keeps its size: the run's own, or one a resume with the
+    # trigger off carried on (step._Monitors keeps it for a later resume that turns it back on)
+    for held in (_spike_resume(spike, {"loss_spike": window}), _spike_resume({}, {"loss_spike": window})):
+        for rollback in ({**spike, "window": 7}, {"window": 7}):
+            with pytest.raises(InputError) as err:
+                ck.check_resume(held, _with(rollback=rollback, checkpoint={"every": 4}), world_size=1)
+            assert one_line(err) == "--resume: rollback.window was 50 in the checkpoint, now 7; a resumed run must keep it"
+        ck.check_resume(held, _with(rollback={"z": 3.0}, checkpoint={"every": 4}), world_size=1)  # (z: no state)
+
+
 def test_every_fixed_key_has_a_refusal_test():
-    fields = [field for _, field, _, _ in FIXED_CHANGES] + ["scaler.enabled", "fp8.recipe"]  # the tests above
+    fields = [field for _, field, _, _ in FIXED_CHANGES] + ["scaler.enabled", "fp8.recipe", "rollback.window"]  # the tests above
     for key in RESUME_FIXED:
         assert any(f == key or f.startswith(f"{key}.") for f in fields), key
 
