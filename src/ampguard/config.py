@@ -1639,8 +1639,10 @@ def given_keys(section: BaseModel, prefix: str = "") -> dict[str, Any]:
 def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | None = None) -> list[str]:
     """One line per group of settings given (:func:`given_keys`) that a ``verb`` run does not
     read, for a warning (as ``task linear does not read task.n_layer: ignored``): the loss
-    scaler's without one, ``fp8`` outside ``precision: fp8``, ``checkpoint`` with checkpoints
-    off, the other optimizer's, a constant schedule's floor, ``rollback`` with no trigger,
+    scaler's without one, ``fp8`` outside ``precision: fp8``, ``fp32_modules`` under ``precision:
+    fp32``, ``checkpoint`` with checkpoints off, the other optimizer's, a constant schedule's floor,
+    ``rollback`` with no trigger (and a trigger's own settings without it: ``z``/``window``
+    without ``loss_spike``, ``val_*`` without ``val_regression``),
     ``eval.every`` with evaluation off, ``monitor.headroom`` without its ``every`` (telemetry off),
     ``monitor.fail_after`` with nothing to fail fast,
     ``monitor.fail_on_scale_collapse`` with no loss scaler, and a ``fail_rate`` of 1 (no skip
@@ -1668,6 +1670,11 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         ['precision bf16 uses no loss scaler (no scale to collapse): monitor.fail_on_scale_collapse ignored']
         >>> ignored_settings(validate({"precision": "fp16", "scaler": {"min_scale": 2}}))  # (read: nothing to say)
         []
+        >>> for line in ignored_settings(validate({"precision": "fp32", "fp32_modules": ["head"], "checkpoint": {"every": 5},
+        ...                                        "rollback": {"triggers": ["loss_spike"], "window": 20, "val_mode": "min"}})):
+        ...     print(line)
+        precision fp32 runs no autocast (every module computes in FP32 already): fp32_modules ignored
+        rollback.triggers has no val_regression (no held-out rollback): rollback.val_mode ignored
         >>> for line in ignored_settings(validate({"log": {"name": "v"}, "inject": ["nan_loss@2"], "steps": 3}), "validate"):
         ...     print(line)
         validate names its report folder itself (log.dir/validate-<time>, or --out): log.name ignored
@@ -1714,8 +1721,17 @@ def ignored_settings(config: Config, verb: str = "train", only: Sequence[str] | 
         lines += under(("optimizer.betas", "optimizer.eps"), "optimizer sgd has no betas or eps (AdamW's)")
     if config.schedule.decay == "constant":
         lines += under("schedule.min_lr_ratio", "schedule.decay is constant (no decay to a floor)")
-    if not config.rollback.triggers:
+    if config.precision == "fp32":  # (review 58a: the names were checked and nothing more, unsaid; fp8 refuses them)
+        lines += under("fp32_modules", "precision fp32 runs no autocast (every module computes in FP32 already)")
+    triggers = config.rollback.triggers
+    if not triggers:
         lines += under("rollback.", "rollback.triggers is empty (no rollback)", switch="triggers")
+    else:  # (review 58a: a trigger's own settings without it)
+        if "loss_spike" not in triggers:
+            lines += under(("rollback.z", "rollback.window"), "rollback.triggers has no loss_spike (no loss-spike detector)")
+        if "val_regression" not in triggers:
+            lines += under(("rollback.val_regression", "rollback.val_metric", "rollback.val_mode"),
+                           "rollback.triggers has no val_regression (no held-out rollback)")
     if not config.eval.enabled:
         lines += under(("eval.every", "eval.batches"), "eval.enabled is false")
     mon = config.monitor

@@ -39,6 +39,9 @@ def test_a_fail_skip_rate_of_1_is_refused_and_a_configured_one_is_said(tmp_path)
     (["--set", "schedule.decay=constant", "--set", "schedule.min_lr_ratio=0.5"],
      "schedule.decay is constant (no decay to a floor): schedule.min_lr_ratio ignored"),
     (["--set", "rollback.z=3"], "rollback.triggers is empty (no rollback): rollback.z ignored"),
+    (["--set", "rollback.triggers=[skip_guard]", "--set", "monitor.fail_rate=0.5", "--set", "checkpoint.every=2",
+      "--set", "rollback.window=5"],  # (review 58a: a trigger's own setting without it)
+     "rollback.triggers has no loss_spike (no loss-spike detector): rollback.window ignored"),
     (["--set", "eval.enabled=false", "--set", "eval.every=5"], "eval.enabled is false: eval.every ignored"),
 ])
 def test_a_setting_the_run_does_not_read_is_a_warning(given, said):
