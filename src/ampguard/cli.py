@@ -290,7 +290,12 @@ def _spike_as_inject(args: argparse.Namespace, verb: str = "train") -> None:
 def _refused_before_the_run(config: Any, resume: Any) -> None:
     """What ``train`` refuses from the config and the checkpoint alone, before it builds anything
     (the task, the model): the resume's checks, the faults, a run folder that exists. So
-    ``--print-config`` never prints, exit 0, a config the same command line would refuse, exit 2."""
+    ``--print-config`` does not print, exit 0, a config the same command line would refuse, exit 2,
+    from those alone. What only the built task or model can refuse (a fault the task's data
+    cannot take, an ``fp32_modules`` name the model lacks, a ``rollback.val_metric`` the task does
+    not report, a resume whose logs differ) is refused when ``train`` starts: ``--print-config``
+    builds nothing (review 58a: building the start-up calls a factory, loads its model and runs a
+    forward, the time and memory of a run's start, for a command that prints a config)."""
     from . import distributed
     from . import checkpointer as ck
     from .build import check_fast
