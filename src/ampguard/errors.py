@@ -17,10 +17,11 @@ import stat
 import sys
 import tempfile
 import unicodedata
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 MAX_COUNT = 10**9
@@ -182,13 +183,62 @@ def user_stacklevel() -> int:
     """
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE) and \
-            not frame.f_code.co_filename.startswith(_INTEGRATIONS):  # (an integration's line: ampguard's own
-        frame, level = frame.f_back, level + 1                         # plugin, not the framework's, review 47f)
+            (not frame.f_code.co_filename.startswith(_INTEGRATIONS)  # (an integration's line: ampguard's own
+             or frame.f_code in _CALLED_BY_USER):                    # plugin, not the framework's, review 47f)
+        frame, level = frame.f_back, level + 1
     return level
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _INTEGRATIONS = os.path.join(_PACKAGE, "integrations") + os.sep
+_CALLED_BY_USER: set[Any] = set()
+"""The code of the integrations' functions a user's own line calls (:func:`called_by_user`)."""
+
+
+def called_by_user(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an integration's function that the user's own line calls, not the framework
+    (``make_guard``, ``AmpGuardPlugin(...)``): :func:`user_stacklevel` walks past it to that line
+    (review 58f: a warning ``Guard(...)`` raised inside ``make_guard`` named ampguard's own line).
+    A framework's callback (the plugin's hooks, ``GuardState.load_state_dict``) is not marked:
+    its warnings name the integration's line, which says which plugin it was. The function
+    itself is returned (nothing wraps it).
+
+    Example::
+
+        >>> def make_thing():
+        ...     return "thing"
+        >>> called_by_user(make_thing) is make_thing
+        True
+    """
+    _CALLED_BY_USER.add(function.__code__)
+    return function
+
+
+def warn_each_time(message: str | Warning, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn(message, category, stacklevel)``, shown at every call: Python's default
+    action shows a (text, category, line) once a process (the module's ``__warningregistry__``),
+    so a line about one run, the same text as an earlier run's (a Lightning fit's ALERT or stop,
+    run again in a notebook cell or a sweep's trials), went unsaid (review 58f). Each call is
+    judged with a registry of its own; the filters still apply (``ignore``, ``error``, ``once``).
+
+    Example::
+
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("default")
+        ...     for _ in range(2):
+        ...         warn_each_time("ALERT at step 3")
+        >>> [str(w.message) for w in said]
+        ['ALERT at step 3', 'ALERT at step 3']
+    """
+    frame = sys._getframe(1)
+    for _ in range(stacklevel - 1):  # (as warnings.warn's stacklevel: 1 is the line that calls this)
+        if frame.f_back is None:
+            break
+        frame = frame.f_back
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__", "<string>"), registry=None,
+                           module_globals=frame.f_globals)
 
 
 class ConfigError(InputError):

@@ -74,7 +74,7 @@ try:
     from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
     from lightning.pytorch.utilities.model_helpers import is_overridden
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 except ImportError as err:  # pragma: no cover - the extra is installed in the test environment
     raise ImportError("ampguard.integrations.lightning needs PyTorch Lightning: "
                       "pip install 'ampguard[lightning]'") from err
@@ -83,8 +83,8 @@ import torch
 from torch import Tensor
 
 from .. import distributed
-from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, counted, failed_because, folder_problem,
-                      looked_at, shortened, shown, unwritable, what_is, whole_number)
+from ..errors import (MAX_PATH_SHOWN, AmpguardWarning, ExitCode, InputError, called_by_user, counted, failed_because,
+                      folder_problem, looked_at, shortened, shown, unwritable, warn_each_time, what_is, whole_number)
 from ..monitor import RunMonitor
 from ..precision import (GRADSCALER_KEYS, GuardedGradScaler, Precision, check_scaler_settings, loss_scaler_runs,
                          take_over_stock_scale)
@@ -186,6 +186,7 @@ class AmpGuardPlugin(_LightningPrecision):
     reading each record once (one transfer of its five values).
     """
 
+    @called_by_user  # (a warning of its settings names the user's line)
     def __init__(
         self,
         precision: LightningPrecision | str = "16-mixed",
@@ -493,10 +494,9 @@ class AmpGuardPlugin(_LightningPrecision):
             # step; a checkpoint of no step and no stock scale begins as a fresh fit, nothing to say)
             if trainer.global_step or taken:
                 scale = taken or ("the loss scale starts again at init_scale and " if scaler.is_enabled() else "")
-                rank_zero_warn(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
-                               f"without the plugin): steps go on from its global_step {trainer.global_step}; "
-                               f"{scale}the skip-rate monitor observes from step {trainer.global_step + 1}",
-                               category=AmpguardWarning)
+                _say(f"AmpGuardPlugin: {Path(trainer.ckpt_path).name} holds no ampguard state (saved "
+                     f"without the plugin): steps go on from its global_step {trainer.global_step}; "
+                     f"{scale}the skip-rate monitor observes from step {trainer.global_step + 1}")
         elif trainer.global_step:  # a second fit of the same Trainer: its records' steps go on as Lightning's do
             guard.steps = trainer.global_step
             monitor.begin_at(trainer.global_step)
@@ -619,8 +619,8 @@ class AmpGuardPlugin(_LightningPrecision):
             return
         if trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED:  # (FINISHED comes after)
             if self.guard is not None and self.guard.mid_group and trainer.lightning_module.automatic_optimization:
-                rank_zero_warn(f"AmpGuardPlugin: the fit ended inside an accumulation group: {self._open_group()} "
-                               f"had no optimizer step, as under Lightning", category=AmpguardWarning)
+                _say(f"AmpGuardPlugin: the fit ended inside an accumulation group: {self._open_group()} "
+                     f"had no optimizer step, as under Lightning")
             self._judge_end()
         if trainer is not None and self._minimums is not None:
             trainer.fit_loop.min_epochs, trainer.fit_loop.epoch_loop.min_steps = self._minimums
@@ -642,7 +642,7 @@ class AmpGuardPlugin(_LightningPrecision):
                 raise
             failed.add_note(f"ampguard: closing the plugin's sinks raised too: {later!r}")  # (the fit's error stays)
             # (Lightning swallows a KeyboardInterrupt, and its notes with it: said here too)
-            rank_zero_warn(f"AmpGuardPlugin: closing the sinks raised: {later!r}", category=AmpguardWarning)
+            _say(f"AmpGuardPlugin: closing the sinks raised: {later!r}")
         finally:
             _LightningPrecision.teardown(self)
 
@@ -669,9 +669,9 @@ class AmpGuardPlugin(_LightningPrecision):
         for event in events:
             if event.kind == "fail":
                 self.stop_reason = f"ampguard failed the fit at its end (step {event.step}): {event.message}"
-                rank_zero_warn(self.stop_reason, category=AmpguardWarning)
+                _say(self.stop_reason)
             else:
-                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}", category=AmpguardWarning)
+                _say(f"ampguard ALERT at step {event.step}: {event.message}")
 
     def _close_sinks(self, sinks: list[Sink], trainer: pl.Trainer | None) -> None:
         """Every sink closed (one that fails does not keep the others open: the first error is
@@ -753,9 +753,9 @@ class AmpGuardPlugin(_LightningPrecision):
         epoch_batches, last = self._group_epoch_batches, self._group_began[1] + guard.micro_batches - 1
         if isinstance(epoch_batches, int) and last >= epoch_batches - 1:
             return  # (the epoch ran to its end, where Lightning steps a short group: an optimizer_step skipped it)
-        rank_zero_warn(f"AmpGuardPlugin: {self._open_group()} had no optimizer step (the epoch ended inside the "
-                       f"group: on_train_batch_start returned -1?); dropped, as Lightning drops them (its zero_grad "
-                       f"at the next group's start)", category=AmpguardWarning)
+        _say(f"AmpGuardPlugin: {self._open_group()} had no optimizer step (the epoch ended inside the "
+             f"group: on_train_batch_start returned -1?); dropped, as Lightning drops them (its zero_grad "
+             f"at the next group's start)")
         guard._abandon_group()
         guard.accumulation_steps = self._accumulation  # (between groups: the Trainer's setting, as after a step)
 
@@ -909,9 +909,9 @@ class AmpGuardPlugin(_LightningPrecision):
                 set_aside = self._stop(trainer)
                 self.stop_reason = (f"ampguard stopped the trainer at step {event.step}: {event.message}"
                                     + (f" (set aside: the Trainer's {set_aside})" if set_aside else ""))
-                rank_zero_warn(self.stop_reason, category=AmpguardWarning)
+                _say(self.stop_reason)
             elif event.kind in ("skip_rate_alert", "scale_alert"):
-                rank_zero_warn(f"ampguard ALERT at step {event.step}: {event.message}", category=AmpguardWarning)
+                _say(f"ampguard ALERT at step {event.step}: {event.message}")
         # several optimizers (a GAN's D and G steps in one training_step): keys of their own,
         # ampguard/<optimizer>/..., or the second record's values would replace the first's
         prefix = f"ampguard/{'+'.join(record.optimizers)}/" if record.optimizers else "ampguard/"
@@ -1287,6 +1287,19 @@ def _said(path: str | os.PathLike) -> str:
     """A CSV path as the plugin's refusals write it: its ``repr`` (a newline stays on the line),
     cut to :data:`~ampguard.errors.MAX_PATH_SHOWN` characters."""
     return shortened(repr(os.fsdecode(path)), MAX_PATH_SHOWN)
+
+
+def _say(line: str) -> None:
+    """A line about what this fit did (an ALERT, the guard's stop, a dropped group), said as an
+    :class:`~ampguard.errors.AmpguardWarning` from the plugin's line on rank 0, as
+    ``rank_zero_warn`` does, but at every fit: ``rank_zero_warn`` is ``warnings.warn``, which
+    shows a (text, category, line) once a process, and a second fit's stop at the same step (a
+    notebook cell run again, a sweep's trials) ended the fit without a word (review 58f). A
+    filter of the user's still applies (:func:`~ampguard.errors.warn_each_time`). What is said
+    of the module's code or the Trainer's settings (an overridden clipping hook) is
+    ``rank_zero_warn``'s, once a process, as Lightning's own advice is."""
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        warn_each_time(line, AmpguardWarning, stacklevel=2)
 
 
 def _check_sinks(sinks: Any, where: str = "AmpGuardPlugin(sinks=...)") -> list[Sink]:
