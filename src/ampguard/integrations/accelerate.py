@@ -21,6 +21,7 @@ from typing import Any, Unpack
 import torch
 from torch.amp.grad_scaler import OptState
 
+from ..errors import called_by_user
 from ..step import Guard, GuardSettings
 
 __all__ = ["GuardState", "found_inf", "make_guard"]
@@ -77,6 +78,7 @@ def found_inf(scaler: torch.amp.GradScaler | None, optimizer: Any) -> torch.Tens
     return torch.stack([v.to(device) for v in per_device.values()]).sum().clamp(max=1.0)
 
 
+@called_by_user  # (a warning of Guard(...)'s names the line that called make_guard, review 58f)
 def make_guard(accelerator: Any, model: Any, optimizer: Any, *, register_state: bool = True,
                **settings: Unpack[GuardSettings]) -> Guard:
     """A :class:`Guard` over a model and optimizer that ``accelerator.prepare`` returned.

@@ -48,8 +48,8 @@ from transformers import Trainer, TrainerCallback
 
 from .. import distributed
 from ..clipping import global_l2_norm
-from ..errors import (AmpguardWarning, ExitCode, InputError, counted, first_line, folder_problem, shortened, table_cell,
-                      unwritable)
+from ..errors import (AmpguardWarning, ExitCode, InputError, called_by_user, counted, first_line, folder_problem,
+                      shortened, table_cell, unwritable)
 from ..events import EventLog, event_word
 from ..files import replace_atomically
 from ..monitor import AT_THE_END, DEFAULT_MIN_STEPS, FAIL_NON_FINITE_UPDATE, Event, RunMonitor
@@ -1131,6 +1131,7 @@ class GuardedTrainer(Trainer):
     loads its state.
     """
 
+    @called_by_user  # (a warning of its settings names the user's line)
     def __init__(self, *args: Any, ampguard: AmpGuardCallback | None = None, scaler: dict[str, Any] | None = None,
                  scheduler_on_skip: SchedulerOnSkip = "hold", frozen: Frozen = "refuse", **kwargs: Any) -> None:
         _require_seams()  # (a transformers before TRANSFORMERS_FLOOR: refused before anything is built)
