@@ -8,6 +8,7 @@ those lines, for ``ampguard demo`` too.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable
 
@@ -153,8 +154,16 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         removed = bool(made) and made[0].remove_unused()  # (only a folder that holds nothing of a run;
         for paths in held:  # removed before its lock is let go: a rerun may take a killed start-up's
             paths.unlock()  # folder whose lock nobody holds, review 54c)
-        if removed:
-            print(f"run folder: {made[0].dir} removed (nothing was run)")
+        if removed:  # (not the console's first line: a warning held until then, fp16 on a CPU, stays held, and
+            # a refusal is stderr's one line; review 58f: the W&B key's refusal came second)
+            hook = getattr(sys.stdout, "before_write", None)
+            if hook is not None:
+                sys.stdout.before_write = None
+            try:
+                print(f"run folder: {made[0].dir} removed (nothing was run)")
+            finally:
+                if hook is not None:
+                    sys.stdout.before_write = hook
 
     every = config.log.every
     try:
