@@ -712,6 +712,9 @@ def build_sinks(config: Config, paths: RunPaths, metrics: tuple[str, ...], conso
             sinks.append(HeadroomCsv(paths.dir / HEADROOM_CSV, headroom, append=append, keep_through=keep_through))
         _cut_back_logs_off(config, paths, keep_through, headroom)
     except BaseException as err:  # the tracker runs end with the run, which ends here
+        for sink in sinks:  # and the logs opened so far are closed (review 58f: left to the collector, in-process)
+            with contextlib.suppress(Exception):
+                sink.close()
         end_trackers(trackers, err)
         raise
     sinks += trackers

@@ -741,6 +741,11 @@ class Trainer:
                                      keep_through=self.state.steps if resuming else None, headroom=self.headroom)
         except DiskFull as full:  # the CSV's header (or a resume's truncation) found no room
             self.sinks, self._failed = Sinks(console), self._failed or full
+        except BaseException:  # refused: the resume's event log is closed too (review 58f: left to the collector)
+            if resuming:
+                with contextlib.suppress(Exception):
+                    self.events.close()
+            raise
         if not resuming:
             self.events = EventLog(self.paths.events, say, append=False)
         if self.announce is not None and self.paths.dir is not None and main:
