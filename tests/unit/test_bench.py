@@ -333,6 +333,20 @@ def test_peers_that_fall_back_on_a_cpu_are_not_timed_as_fp16(precision, capsys):
         assert "lightning fabric: not run (its matrix products ran in bfloat16, not fp16's float16" in out
 
 
+def test_fabric_built_for_fp16_on_a_cpu_says_no_raw_fallback_warning_of_its_own():
+    """Review 58f: Fabric(precision="16-mixed") on a CPU warned, with its site-packages path, that it
+    runs bf16 instead, inside the table's header; the bench's own "not run" line says so."""
+    pytest.importorskip("lightning")
+    from ampguard.bench import FabricLoop, _nano
+
+    cpu = torch.device("cpu")
+    fp16, workload = Precision("fp16", "cpu"), _nano(cpu)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FabricLoop(workload, fp16, cpu, fused=False)
+    assert [str(w.message) for w in caught if "lightning" in w.filename] == []
+
+
 def test_speedups_say_slower_when_amp_is_slower_never_a_fraction_faster():
     from ampguard.bench import Bare, Guarded, Result, speedups
 
