@@ -31,7 +31,8 @@ from .checkpoint import (checkpoint_step, child_exits_held, list_checkpoints, ot
                          torch_rng_state)
 from .config import Config, plain_data
 from .data import DataStream, check_same_data
-from .errors import AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised
+from .errors import (AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised,
+                     warn_each_time)
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, check_nan_input, parse_faults
@@ -388,8 +389,8 @@ class Trainer:
                 # (a Ctrl-C Python wrapped on its way out of the user's code is an interrupt, as above)
                 crashed, clean = (None if an_interrupt(err) else err), False
                 if crashed is None:  # (an error raised while the Ctrl-C unwound: said, not lost; review 49h)
-                    warnings.warn(f"raised while the interrupt unwound: {first_line(err, with_type=True)}",
-                                  AmpguardWarning, stacklevel=1)
+                    warn_each_time(f"raised while the interrupt unwound: {first_line(err, with_type=True)}",
+                                   AmpguardWarning)  # (a run's own line: every run in a process says it)
                 if crashed is not None and distributed.peer_gone(crashed) and \
                         (code := distributed.peer_stopped()) is not None:  # a peer's second signal cut its
                     # step short and it left (end_alone, below): its stop, this rank's too, not a crash
@@ -413,8 +414,8 @@ class Trainer:
                     if crashed is None and clean and stopped is None:
                         crashed, clean = err, False
                     else:
-                        warnings.warn(f"a sink failed as it closed: {first_line(err, with_type=True)}",
-                                      AmpguardWarning, stacklevel=1)
+                        warn_each_time(f"a sink failed as it closed: {first_line(err, with_type=True)}",
+                                       AmpguardWarning)
                 self.injector.detach()
                 with contextlib.suppress(Exception):  # (no batch is read after the loop: its DataLoader workers end)
                     self.data.release()

@@ -317,6 +317,37 @@ def test_a_sink_failing_as_it_closes_after_an_interrupt_leaves_it_an_interrupt(c
     assert (Path("runs/i") / "checkpoints" / "step-00000002.pt").is_file() is saved
 
 
+def test_a_sink_failing_as_it_closes_is_said_at_every_run_of_a_process(tmp_path, monkeypatch):
+    # review 58f: a run's own line through warnings.warn was said once a process (the text, the category and the
+    # line the same): a notebook's second run whose sink failed alike closed without a word
+    import warnings
+
+    from ampguard.config import validate
+    from ampguard.sinks import CsvSink
+    from ampguard.step import AmpTrainState
+    from ampguard.train import train
+
+    real_step = AmpTrainState.step
+
+    def step(self, *batch):
+        if self.steps == 1:
+            _first_ctrl_c()  # (a stop: the close's failure is said, not the run's crash)
+        return real_step(self, *batch)
+
+    monkeypatch.setattr(AmpTrainState, "step", step)
+    monkeypatch.setattr(CsvSink, "close", lambda self: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    codes = []
+    with warnings.catch_warnings(record=True) as said:  # (the API in a notebook: `ampguard train` resets the
+        warnings.simplefilter("default")                # filters at each call; Python's default: once a line)
+        for i in range(2):
+            codes.append(train(validate({"task": {"name": "linear"}, "steps": 3, "precision": "fp32", "device": "cpu",
+                                         "log": {"dir": str(tmp_path / "runs"), "name": f"r{i}", "plot": False},
+                                         "checkpoint": {"enabled": False}})))
+    assert codes == [ExitCode.INTERRUPTED] * 2
+    assert [str(w.message) for w in said if "a sink failed" in str(w.message)] == \
+        ["a sink failed as it closed: OSError: [Errno 5] Input/output error"] * 2
+
+
 def test_a_full_disk_while_saving_a_checkpoint_leaves_no_partial_file(disk_full_runs):
     code, out, err, run = disk_full_runs["checkpoint"]
     assert code == ExitCode.DISK_FULL, (code, err)
