@@ -1619,7 +1619,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         if saved is not None and saved["step"] < step:  # (one saved at or after the step: its position is not used)
             check_field(checkpoint, saved, DATA)  # (an int >= 0: where the run's data went on after it)
         # where the run read the step: a rollback moved its data on (review 58d: (step - 1) x n was replayed)
-        rollbacks = _run_rollbacks(config, checkpoint, saved)
+        rollbacks = _run_rollbacks(config, checkpoint, saved, step)
         start = replay_position(step, n, saved=None if saved is None else (saved["step"], saved[DATA]),
                                 rollbacks=rollbacks)
         if rollbacks is None and config.rollback.triggers:
@@ -1705,25 +1705,31 @@ def replay_position(step: int, n: int, *, saved: tuple[int, int] | None = None,
     return position + (step - 1 - at) * n
 
 
-def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any] | None
+def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any] | None, step: int
                    ) -> list[dict[str, Any]] | None:
     """The rollbacks of the run whose step ``locate`` replays, from its ``events.jsonl`` (those on
     the timeline the run kept, as ``report`` reads them: a resume from an earlier step abandoned
     the later ones): the run folder that holds ``checkpoint`` (in its ``checkpoints/``, a
     ``checkpoints/abandoned-*/`` or ``rollback/``), else ``log.dir/log.name`` of ``config`` (the
     run's own ``config.yaml`` names its folder); a folder whose run id is not the checkpoint's is
-    another run's, passed over. None when no such folder holds an ``events.jsonl``."""
+    another run's, passed over. None when no such folder holds an ``events.jsonl``.
+
+    A checkpoint a resume set aside (``checkpoints/abandoned-*/``) is of a timeline the kept events
+    no longer describe: with no rollback of any timeline between its step and ``step``, none moved
+    its data (``[]``); with one, where its timeline read ``step`` is not known from here, one
+    :class:`InputError` line (review 58l: the kept timeline's rollbacks were used, a clean verdict
+    on batches no step ``step`` read)."""
     import os
     from pathlib import Path
 
     from .report import LoggedEvents
     from .run_folder import RunPaths
 
-    folders = []
+    folders, set_aside = [], None
     if checkpoint:
         parent = Path(checkpoint).resolve().parent
         if parent.name.startswith("abandoned-") and parent.parent.name == "checkpoints":
-            parent = parent.parent
+            set_aside, parent = parent, parent.parent
         if parent.name in ("checkpoints", "rollback"):
             folders.append(parent.parent)
     if isinstance(config.log.name, str) and config.log.name:
@@ -1737,7 +1743,19 @@ def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any]
             continue
         if saved is not None and isinstance(saved.get("run_id"), str) and folder_id and folder_id != saved["run_id"]:
             continue
-        return LoggedEvents(folder).kept(lambda event: event.get("event") == "rollback", at_resume=True)
+        log = LoggedEvents(folder)
+        if set_aside is not None and folder == folders[0]:
+            since = saved["step"] if saved is not None else 0
+            between = sorted({e["step"] for e in log.events()
+                              if e.get("event") == "rollback" and since < e["step"] < step})
+            if between:
+                raise InputError(f"locate: {Path(checkpoint).name} is in {set_aside.parent.name}/{set_aside.name}/, "
+                                 f"set aside by a resume, and the run rolled back at step {between[0]} between its "
+                                 f"step {since} and step {step} in some timeline: where its own timeline read step "
+                                 f"{step} is not known from the kept events; pass a checkpoint of the kept timeline "
+                                 f"(in checkpoints/) saved before step {step}")
+            return []
+        return log.kept(lambda event: event.get("event") == "rollback", at_resume=True)
     return None
 
 

@@ -71,3 +71,26 @@ def test_a_rollback_event_without_a_data_position_is_refused_not_guessed(cli, ro
         "before step 8 (its data position is the run's)")
     # a checkpoint saved after the rollback holds the position
     assert _replayed_loss(cli, rolled_back, 9, "step-00000008.pt") == _csv_loss(rolled_back, 9)
+
+
+def test_a_checkpoint_a_resume_set_aside_replays_its_own_timeline_or_is_refused(cli, tmp_path):
+    # review 58l: from checkpoints/abandoned-*/ the kept timeline's rollbacks were used, not the set-aside one's
+    code, _, err = cli("train", *RUN, "--set", "steps=9", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=9",
+                       "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=4",
+                       "--set", "log.name=r", "--inject", "spike@7")
+    assert code == 0, err
+    run = tmp_path / "runs" / "r"
+    assert [(e["step"], e["checkpoint"]) for e in run_events(run) if e["event"] == "rollback"] == [(7, "step-00000006.pt")]
+    code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000004.pt")  # (the same faults: step 7 again)
+    assert code == 0, err
+    [aside] = (run / "checkpoints").glob("abandoned-*")
+    assert (aside / "step-00000006.pt").is_file() and (aside / "step-00000008.pt").is_file()
+    # no rollback between step 8 and step 9 in any timeline: the checkpoint's own position holds
+    code, out, err = cli("locate", run / "config.yaml", "--step", 9, "--checkpoint", aside / "step-00000008.pt", "--json")
+    assert code == 0, err
+    assert json.loads(out)["amp"]["loss"] == _csv_loss(run, 9)  # (the resumed timeline trained step 9 alike)
+    # a rollback at step 7 between step 6 and step 8: where the set-aside timeline read step 8 is not in the kept events
+    refused = cli("locate", run / "config.yaml", "--step", 8, "--checkpoint", aside / "step-00000006.pt")
+    assert one_error_line(refused).startswith(
+        f"ampguard: error: locate: step-00000006.pt is in checkpoints/{aside.name}/, set aside by a resume, and the run "
+        "rolled back at step 7 between its step 6 and step 8")
