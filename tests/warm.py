@@ -76,6 +76,7 @@ import resource
 import runpy
 import select
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -342,6 +343,10 @@ def _child(spec: dict[str, Any], fds: dict[str, int]) -> None:  # pragma: no cov
     # full collection in the child walked them all, ~0.37 s of CPU each and their pages copied;
     # what the child makes is collected as in a fresh interpreter)
     gc.freeze()
+    # (the forkserver's at-exit removals of what it made, matplotlib's temporary config folder where
+    # its own is not writable: the first child to end removed the folder the forkserver and every
+    # later child share, and they printed a traceback at their own ends; review 58m)
+    atexit.unregister(shutil.rmtree)
     _unforked(spec["shared"])
     os.chdir(spec["cwd"])
     os.environ.clear()

@@ -83,6 +83,10 @@ def test_the_forkserver_imported_warm_and_matplotlib_before_the_fork():
     assert out.stdout.split() == ["True", "True"]
 
 
+SERVER_SEED = os.environ.get("PYTHONHASHSEED")
+"""The hash seed this process, and so the forkserver, started with (a CI may export one: tox does)."""
+OTHER_SEED = "12345" if SERVER_SEED != "12345" else "54321"
+
 REFUSES = f"""
 import os, sys
 sys.path.insert(0, {TESTS!r})
@@ -91,7 +95,7 @@ if len(sys.argv) > 1:  # (not the forkserver's child: as torchrun's stand-in, te
     warm.connect(sys.argv[1])
 print(warm.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=120).stdout.strip())
 try:
-    warm.Popen([sys.executable, "-c", "pass"], env={{**os.environ, "PYTHONHASHSEED": "12345"}})
+    warm.Popen([sys.executable, "-c", "pass"], env={{**os.environ, "PYTHONHASHSEED": {OTHER_SEED!r}}})
 except ValueError as refused:
     print(refused)
 """
@@ -106,5 +110,30 @@ def test_a_process_sharing_the_forkserver_or_connected_to_it_knows_what_it_start
                         share_server=shared)
         assert done.returncode == 0, done.stderr[-2000:]
         ran, refused = done.stdout.splitlines()
-        assert ran == "ran" and refused.startswith("warm.Popen cannot give a child PYTHONHASHSEED '12345' (the "
-                                                   "forkserver's: unset)"), done.stdout
+        server = "unset" if SERVER_SEED is None else repr(SERVER_SEED)
+        assert ran == "ran" and refused.startswith(f"warm.Popen cannot give a child PYTHONHASHSEED {OTHER_SEED!r} "
+                                                   f"(the forkserver's: {server})"), done.stdout
+
+
+UNWRITABLE_CONFIG = f"""
+import os, subprocess, sys
+sys.path.insert(0, {TESTS!r})
+import warm
+warm.PRELOAD[:] = ["warm", "matplotlib"]  # (a forkserver of this process's own, as the suite's imports it)
+probe = "import matplotlib, os; print(os.path.isdir(matplotlib.get_configdir()))"
+for _ in range(2):
+    done = warm.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    print(done.returncode, done.stdout.strip(), "Traceback" in done.stderr)
+"""
+
+
+def test_a_child_leaves_the_folders_the_forkserver_made_to_the_forkserver(tmp_path):
+    """matplotlib makes a temporary config folder where its own is not writable (a CI's read-only
+    HOME) and registers its removal at exit: every warm child ran that at its end, so the first one
+    removed the folder the forkserver and the later children share (review 58m)."""
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    done = subprocess.run([sys.executable, "-c", UNWRITABLE_CONFIG], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPLCONFIGDIR": str(not_a_folder / "mpl")}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["0 True False", "0 True False"], (done.stdout, done.stderr[-2000:])
