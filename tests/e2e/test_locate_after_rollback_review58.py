@@ -14,6 +14,7 @@ checkpoint; the data goes on at 4 x 2 + 20 = 28, not at 14.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,16 +24,21 @@ RUN = ["--set", "task.name=linear", "--set", "precision=fp32", "--set", "accumul
        "--set", "log.plot=false"]
 
 
-@pytest.fixture
-def rolled_back(cli, tmp_path):
-    code, _, err = cli("train", *RUN, "--set", "steps=9", "--set", "checkpoint.every=4", "--set", "checkpoint.keep=5",
-                       "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=4",
-                       "--set", "log.name=r", "--inject", "spike@7")
+def _rolled_back_at_7(cli, tmp_path, every: int) -> Path:
+    """The run above, a checkpoint every ``every`` steps, all kept: its folder, its one rollback checked."""
+    code, _, err = cli("train", *RUN, "--set", "steps=9", "--set", f"checkpoint.every={every}",
+                       "--set", "checkpoint.keep=9", "--set", "rollback.triggers=[loss_spike]",
+                       "--set", "rollback.window=4", "--set", "log.name=r", "--inject", "spike@7")
     assert code == 0, err
     run = tmp_path / "runs" / "r"
     [rollback] = [e for e in run_events(run) if e["event"] == "rollback"]
-    assert (rollback["step"], rollback["checkpoint"]) == (7, "step-00000004.pt")
+    assert (rollback["step"], rollback["checkpoint"]) == (7, f"step-{6 // every * every:08d}.pt")
     return run
+
+
+@pytest.fixture
+def rolled_back(cli, tmp_path):
+    return _rolled_back_at_7(cli, tmp_path, every=4)
 
 
 def _replayed_loss(cli, run, step, checkpoint):
@@ -75,12 +81,7 @@ def test_a_rollback_event_without_a_data_position_is_refused_not_guessed(cli, ro
 
 def test_a_checkpoint_a_resume_set_aside_replays_its_own_timeline_or_is_refused(cli, tmp_path):
     # review 58l: from checkpoints/abandoned-*/ the kept timeline's rollbacks were used, not the set-aside one's
-    code, _, err = cli("train", *RUN, "--set", "steps=9", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=9",
-                       "--set", "rollback.triggers=[loss_spike]", "--set", "rollback.window=4",
-                       "--set", "log.name=r", "--inject", "spike@7")
-    assert code == 0, err
-    run = tmp_path / "runs" / "r"
-    assert [(e["step"], e["checkpoint"]) for e in run_events(run) if e["event"] == "rollback"] == [(7, "step-00000006.pt")]
+    run = _rolled_back_at_7(cli, tmp_path, every=2)
     code, _, err = cli("train", "--resume", run / "checkpoints" / "step-00000004.pt")  # (the same faults: step 7 again)
     assert code == 0, err
     [aside] = (run / "checkpoints").glob("abandoned-*")
