@@ -242,10 +242,11 @@ def steps_csv(tmp_path) -> Path:
     return path
 
 
-def test_report_out_in_a_missing_folder_is_refused(cli, steps_csv, unchanged):
+def test_report_out_in_a_missing_folder_is_refused(cli, steps_csv, unchanged, tmp_path):
     check = unchanged()
-    line = refused(cli("report", steps_csv.name, "--out", "/nonexistent/x.png"))
-    assert line == "ampguard: error: report: --out /nonexistent/x.png: folder /nonexistent does not exist"
+    missing = tmp_path / "missing"  # (not /nonexistent: a root process, matplotlib's HOME=/nonexistent, may make it)
+    line = refused(cli("report", steps_csv.name, "--out", missing / "x.png"))
+    assert line == f"ampguard: error: report: --out {missing / 'x.png'}: folder {missing} does not exist"
     check()
 
 

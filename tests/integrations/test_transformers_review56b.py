@@ -6,6 +6,7 @@ written clean. Its default ``print_fn`` now writes them off the bar as HF does."
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
 
@@ -17,7 +18,13 @@ from transformers.trainer_callback import ProgressCallback, TrainerControl, Trai
 from ampguard.integrations.transformers import AmpGuardCallback  # noqa: E402
 
 
-def test_the_callbacks_lines_are_written_off_hfs_live_progress_bar():
+def test_the_callbacks_lines_are_written_off_hfs_live_progress_bar(monkeypatch):
+    # (HF's bar shown, as a user's is: the suite's TQDM_DISABLE=1, tests/conftest.py, turns off a bar made without
+    # disable=, HF's among them)
+    import transformers.trainer_callback as hf
+    from tqdm.auto import tqdm
+
+    monkeypatch.setattr(hf, "tqdm", functools.partial(tqdm, disable=False))
     term = io.StringIO()  # (stdout and stderr: one terminal)
     progress, state, control = ProgressCallback(), TrainerState(max_steps=120), TrainerControl()
     alert = "ALERT 63 rolling skip rate 0.100 > alert_rate 0.05 over the last 1000 steps"

@@ -80,7 +80,7 @@ def alive(refs: list[weakref.ref]) -> int:
     return sum(r() is not None for r in refs)
 
 
-def test_load_trained_weights_keeps_only_the_step_the_config_and_the_scale(trained, loaded):
+def test_load_trained_weights_keeps_only_the_step_the_config_the_scale_and_where_the_data_went_on(trained, loaded):
     folder, run_dir = trained
     config = config_of(settings(folder, 2))
     model = build_task(config).model
@@ -91,7 +91,10 @@ def test_load_trained_weights_keeps_only_the_step_the_config_and_the_scale(train
     weights = ckpt.load_checkpoint(path)["model"]
     assert len(read) > len(weights) >= 2  # (the optimizer's moments were read too)
     assert all(torch.equal(model.state_dict()[name], w) for name, w in weights.items())  # the weights went in
-    assert saved["step"] == 2 and set(saved) == {"step", "config", "state"} and set(saved["state"]) == {"scaler"}
+    assert saved["step"] == 2 and set(saved["state"]) == {"scaler"}
+    # (and two numbers: the data's position and the run's id, for locate's replay of step N: review 58d)
+    assert set(saved) == {"step", "config", "state", "data_position", "run_id"}
+    assert isinstance(saved["data_position"], int) and isinstance(saved["run_id"], str)
 
 
 @pytest.mark.parametrize("command", ["locate", "validate"])
