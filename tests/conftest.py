@@ -277,6 +277,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         config.option.loadscopereorder = False  # (the workers order the modules: pytest_collection_modifyitems)
         _STARTED_IN.update({m: _work_of(m) for m in modules})  # (told to the workers: pytest_configure_node)
         warm.preload_also(EARLY_PRELOAD)
+        # (the forkserver started here, on the main thread, before xdist starts its workers: its start sets
+        # PYTHONPATH in the environment a moment, and a setenv while another thread exec'd a worker failed
+        # that exec, "OSError: [Errno 14] Bad address", the session's INTERNALERROR; warm._ensure_running)
+        warm.server_pid()
         threading.Thread(target=_run_early_jobs, args=(modules,), name="early jobs", daemon=True).start()
 
 

@@ -204,7 +204,10 @@ def _ensure_running() -> None:
         return
     global _STARTED_WITH
     _STARTED_WITH = _read_at_start(os.environ)
-    kept = os.environ.get("PYTHONPATH")  # (set only for the server's launch: no other thread's child sees it)
+    # (set only for the server's launch, so no later child sees it; a setenv while another thread execs is
+    # undefined, the exec's environment freed under it, EFAULT: start the server before other threads spawn,
+    # as tests/conftest.py's pytest_sessionstart does)
+    kept = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [kept])])
     try:
         server.ensure_running()
