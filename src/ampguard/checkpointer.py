@@ -94,8 +94,8 @@ task reads (:func:`changed_task`: review 53i); the two rolling windows'
 contents are in the checkpoint, so their sizes cannot change (``rollback.window`` only where the
 checkpoint holds a loss-spike window: :func:`holds_spike_window`; docs/resume.md has the table)."""
 SPIKE_MONITOR = "loss_spike"
-"""The name the loss-spike detector's window is saved under in the guarded step's ``monitors``
-(:data:`ampguard.guards.LOSS_SPIKE`, the trigger's name)."""
+"""The loss-spike trigger's name, which its detector's window is saved under in the guarded step's
+``monitors`` (``guards.LOSS_SPIKE`` is this one)."""
 POLICY = "policy_changes"
 """Payload key (meta, never restored as a part): the policy changes made on resume so far, each
 ``{"key", "old", "new", "step"}``; a resumed run carries them on to its run card."""
@@ -400,28 +400,24 @@ class CheckpointManager:
     def save(self, step: int) -> Path | None:
         """Write ``step-<step>.pt`` (atomic), prune to ``keep`` (and ``hold``), delete partial saves other
         processes left (:func:`ckpt.remove_partial`); the path on rank 0, else None. Every rank
-        must call it: FSDP2 state dicts and the RNGs are gathered. A DataLoader worker that dies
-        meanwhile is said at the data's next read, not here (:func:`ckpt.child_exits_held`)."""
+        must call it: FSDP2 state dicts and the RNGs are gathered. (``Trainer.save``, its caller,
+        holds a DataLoader worker's death back for the save and the logs' sync before it:
+        :func:`ckpt.child_exits_held`.)"""
         if self.folder is None:
             return None
-        with ckpt.child_exits_held():
-            return self._save(step, self.folder)
-
-    def _save(self, step: int, folder: Path) -> Path | None:
-        """:meth:`save`'s work, in ``folder`` (the checkpoint folder)."""
         payload = {**self.meta(), STEP: step, **{key: part.state_dict() for key, part in self.parts.items()}}
         path = None
         if self.dist.is_main:
-            target = folder / ckpt.checkpoint_name(step)
+            target = self.folder / ckpt.checkpoint_name(step)
             try:
                 with writing(target):
                     path = ckpt.save_checkpoint(target, payload)
             except DiskFull as full:  # the file never took its name: earlier checkpoints are whole
                 self.failed = self.failed or full
             else:
-                ckpt.prune(folder, self.keep, self.hold(step) if self.hold is not None else None)
-                ckpt.remove_partial(folder, keep_pid=os.getpid())
-                self.saved = ckpt.list_checkpoints(folder)
+                ckpt.prune(self.folder, self.keep, self.hold(step) if self.hold is not None else None)
+                ckpt.remove_partial(self.folder, keep_pid=os.getpid())
+                self.saved = ckpt.list_checkpoints(self.folder)
         distributed.barrier()  # no rank reads checkpoints (a rollback) before rank 0 has written them
         return path
 

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 from . import distributed
 from .checkpoint import torch_rng_state
-from .checkpointer import DATA, ROLLBACK_PARTS, STATE, CheckpointManager, Loaded, apply_policy_changes, lrs_from_schedule
+from .checkpointer import (DATA, ROLLBACK_PARTS, SPIKE_MONITOR, STATE, CheckpointManager, Loaded, apply_policy_changes,
+                           lrs_from_schedule)
 from .config import Config
 from .errors import ConfigError, ExitCode, InputError, counted, first_line
 from .files import temporary_beside
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from .events import EventLog
     from .step import AmpTrainState
 
-LOSS_SPIKE = "loss_spike"
+LOSS_SPIKE = SPIKE_MONITOR  # (the trigger's name, its window's in a checkpoint: checkpointer.holds_spike_window)
 SKIP_GUARD = "skip_guard"
 VAL_REGRESSION = "val_regression"
 STRICT = "strict"
