@@ -1719,7 +1719,6 @@ def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any]
     its data (``[]``); with one, where its timeline read ``step`` is not known from here, one
     :class:`InputError` line (review 58l: the kept timeline's rollbacks were used, a clean verdict
     on batches no step ``step`` read)."""
-    import os
     from pathlib import Path
 
     from .report import LoggedEvents
@@ -1733,7 +1732,7 @@ def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any]
         if parent.name in ("checkpoints", "rollback"):
             folders.append(parent.parent)
     if isinstance(config.log.name, str) and config.log.name:
-        folders.append(Path(os.path.expanduser(config.log.dir), config.log.name))
+        folders.append(Path(config.log.dir, config.log.name))  # (the config expanded a ~ in log.dir)
     for folder in folders:
         if not (folder / "events.jsonl").is_file():
             continue
