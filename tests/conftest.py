@@ -36,15 +36,32 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # 27-39 s -> 14-16 s of CPU, 54-72 s -> 13-15 s of wall). Read by libgomp as torch loads it,
 # below; what a test checks is the thread count, which this leaves as it was.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One Inductor cache for the whole run: every process a compile happens in (both workers, the early
+# jobs, the processes they start) reads what another compiled already. Left to itself Inductor took
+# the folder from the temporary folder of the moment it first compiled: a doctest's tmp_path in one
+# worker, an early job's own TMPDIR, so each compiled the same graphs cold (and its precompiled
+# header, ~10 s of CPU with g++). A folder of this run's (made by the process that started the suite,
+# inherited by the rest, removed at its end: pytest_unconfigure); a user's own setting is kept.
+# (Inductor's precompiled headers go where its default cache is, whatever this says: read at its
+# codecache's import, which tests/warm.py's forkservers and this process make before any TMPDIR changes.)
+_INDUCTOR_CACHE = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="ampguard-inductor-")
+if _INDUCTOR_CACHE:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 
 import pytest  # noqa: E402 - after the thread counts
 import torch  # noqa: E402
+import torch._inductor.codecache  # noqa: E402,F401 - its precompiled headers' folder fixed now (above)
 import warm  # noqa: E402
 
 from early_runner import ENDING, NICE, RESULT
 from helpers import EARLY_TIMEOUT_S, GLOO, end_processes, snapshot_of
 
 from ampguard.cli import main
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _INDUCTOR_CACHE:  # (this process made it: the last of the run to end)
+        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -87,10 +87,12 @@ import traceback
 import types
 from typing import Any
 
-PRELOAD = ["warm", "torch", "torch._dynamo", "ampguard.cli", "ampguard.train", "ampguard.trainer", "ampguard.report",
-           "ampguard.bench", "ampguard.locate", "ampguard.tasks.linear"]
+PRELOAD = ["warm", "torch", "torch._dynamo", "torch._inductor.codecache", "ampguard.cli", "ampguard.train",
+           "ampguard.trainer", "ampguard.report", "ampguard.bench", "ampguard.locate", "ampguard.tasks.linear"]
 """What the forkserver imports before its first fork (``warm`` itself: the child's code; and
-matplotlib's Figure and Agg canvas, as ampguard's plots import them: see :func:`_warm_up`)."""
+matplotlib's Figure and Agg canvas, as ampguard's plots import them: see :func:`_warm_up`).
+Inductor's codecache reads its precompiled headers' folder from the temporary folder as it is
+imported: here, before a child's ``TMPDIR`` (an early job's own) could move it to a cold one."""
 
 _MAIN_PROCESS = type(multiprocessing.process.current_process())
 """(The class of a fresh interpreter's ``multiprocessing.current_process()``: read at this module's
