@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import importlib
 import os
 import pickle
 import re
@@ -43,14 +44,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # header, ~10 s of CPU with g++). A folder of this run's (made by the process that started the suite,
 # inherited by the rest, removed at its end: pytest_unconfigure); a user's own setting is kept.
 # (Inductor's precompiled headers go where its default cache is, whatever this says: read at its
-# codecache's import, which tests/warm.py's forkservers and this process make before any TMPDIR changes.)
+# codecache's import, which tests/warm.py's forkservers and the processes that run tests make before
+# any TMPDIR changes: pytest_configure; not xdist's controller, which compiles nothing: ~2.7 s of CPU.)
 _INDUCTOR_CACHE = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="ampguard-inductor-")
 if _INDUCTOR_CACHE:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 
 import pytest  # noqa: E402 - after the thread counts
 import torch  # noqa: E402
-import torch._inductor.codecache  # noqa: E402,F401 - its precompiled headers' folder fixed now (above)
 import warm  # noqa: E402
 
 from early_runner import ENDING, NICE, RESULT
@@ -65,6 +66,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not _controller(config):
+        importlib.import_module("torch._inductor.codecache")  # (its precompiled headers' folder fixed now: above)
     if _worker(config):  # (the early jobs xdist's controller runs: pytest_sessionstart)
         _FROM_CONTROLLER.update({m: Path(w) for m, w in config.workerinput.get("ampguard_early", [])})
     elif _controller(config):
