@@ -82,36 +82,61 @@ PHASES = ["torch_import", "building", "run_folder", "before_step_1"]
 TERM_PHASES = ["loading_resume", "building", "run_folder", "run_folder_in_c"]
 
 
+class _StartedWhenAsked(dict):
+    """{case: what its start made}, each case started when a test first asks for it (``starts``:
+    {case: a function that starts it})."""
+
+    def __init__(self, starts: dict) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def __missing__(self, case: str):
+        self[case] = started = self.starts[case]()
+        return started
+
+
 @pytest.fixture(scope="module")
 def paused(tmp_path_factory):
     """{case: (process, its folder, its marker)}: the runs that hold themselves at a point for a
-    test to signal them there, all started at once so that their torch imports overlap (one after
-    another they cost this module 25 s); each test drives its own."""
-    started = {}
-    try:
-        for case in CARD_SIGNALS:
-            cwd = tmp_path_factory.mktemp(f"card-{case}")
-            started[case] = (_spawn(cwd, str(HERE / "pause_in_report.py"), str(cwd / "closing"), "train", *LINEAR,
-                                    "--set", "steps=5", "--set", "log.name=c", "--set", "log.plot=true"),
-                             cwd, cwd / "closing")
-        for phase in PHASES:
-            cwd = tmp_path_factory.mktemp(f"startup-{phase}")
-            started[phase] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, "train", *LINEAR,
-                                     "--set", "steps=100000", "--set", "log.name=s", fresh=phase == "torch_import"),
-                              cwd, cwd / "paused")
-        for phase in TERM_PHASES:
-            cwd = tmp_path_factory.mktemp(f"startup-term-{phase}")
-            if phase == "loading_resume":  # (a finished run of 2 steps, resumed for more)
-                ok(ag("train", *LINEAR, "--set", "steps=2", "--set", f"log.dir={cwd / 'runs'}", "--set", "log.name=s"))
-                argv = ["train", "--resume", "runs/s", "--set", "steps=100000"]
-            else:
-                argv = ["train", *LINEAR, "--set", "steps=100000", "--set", "log.name=s"]
-            started[f"SIGTERM-{phase}"] = (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, *argv),
-                                           cwd, cwd / "paused")
-        cwd = tmp_path_factory.mktemp("factory")  # (held in its factory's sleep, its marker the file "building")
+    test to signal them there; each test drives its own. Each is started when its test asks for it:
+    forked warm, a run reaches its point in a fraction of a second (the fresh ``torch_import`` one
+    before its import of torch, which comes after the test's go); started all at once with the
+    module, the ones held for the later tests polled for their go meanwhile (pause_in_*.py: 100
+    times a second, ~0.02 CPU-s a second each, about a CPU-second of this module's)."""
+
+    def card(case: str):
+        cwd = tmp_path_factory.mktemp(f"card-{case}")
+        return (_spawn(cwd, str(HERE / "pause_in_report.py"), str(cwd / "closing"), "train", *LINEAR,
+                       "--set", "steps=5", "--set", "log.name=c", "--set", "log.plot=true"), cwd, cwd / "closing")
+
+    def startup(phase: str):
+        cwd = tmp_path_factory.mktemp(f"startup-{phase}")
+        return (_spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, "train", *LINEAR,
+                       "--set", "steps=100000", "--set", "log.name=s", fresh=phase == "torch_import"),
+                cwd, cwd / "paused")
+
+    def term(phase: str):
+        cwd = tmp_path_factory.mktemp(f"startup-term-{phase}")
+        if phase == "loading_resume":  # (a finished run of 2 steps, resumed for more)
+            ok(ag("train", *LINEAR, "--set", "steps=2", "--set", f"log.dir={cwd / 'runs'}", "--set", "log.name=s"))
+            argv = ["train", "--resume", "runs/s", "--set", "steps=100000"]
+        else:
+            argv = ["train", *LINEAR, "--set", "steps=100000", "--set", "log.name=s"]
+        return _spawn(cwd, str(PAUSE_IN_STARTUP), str(cwd / "paused"), phase, *argv), cwd, cwd / "paused"
+
+    def factory():  # (held in its factory's sleep, its marker the file "building")
+        cwd = tmp_path_factory.mktemp("factory")
         (cwd / "factory.py").write_text(SWALLOWING_FACTORY, encoding="utf-8")
-        started["factory"] = (_spawn(cwd, "-m", "ampguard", "train", *LINEAR[2:], "--set", "task.factory=factory.py:build",
-                                     "--set", "steps=3", "--set", "log.name=f"), cwd, cwd / "building")
+        return (_spawn(cwd, "-m", "ampguard", "train", *LINEAR[2:], "--set", "task.factory=factory.py:build",
+                       "--set", "steps=3", "--set", "log.name=f"), cwd, cwd / "building")
+
+    started = _StartedWhenAsked({
+        **{case: lambda case=case: card(case) for case in CARD_SIGNALS},
+        **{phase: lambda phase=phase: startup(phase) for phase in PHASES},
+        **{f"SIGTERM-{phase}": lambda phase=phase: term(phase) for phase in TERM_PHASES},
+        "factory": factory,
+    })
+    try:
         yield started
     finally:
         end_all(proc for proc, _, _ in started.values())
@@ -146,8 +171,8 @@ READER_LEAVES = "test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_ex
 
 @pytest.fixture(scope="module")
 def fired(request, tmp_path_factory):
-    """{case: (process, its folder)}: the runs a test only waits on and checks, started at once (their
-    torch imports overlap, as :func:`paused`'s do): a reader gone before the first line, a verb
+    """{case: (process, its folder)}: the runs a test only waits on and checks, started at once (they run
+    side by side, none of them held waiting for its test): a reader gone before the first line, a verb
     whose reader left, a stop signal during the last step (sent by the run's own loss). With them,
     when its test is to run, the run whose reader that test makes leave (the first test here to
     ask for this fixture: it drives its run as soon as it is started, as it would its own)."""
@@ -273,8 +298,8 @@ from torch import nn
 
 def build(config):
     pathlib.Path("building").write_text("x")
-    try:  # (a factory's fallback: "if the download fails, use the cached copy"; long: started with the
-        time.sleep(600)  # module's other held runs, it waits here for its test, which ends it long before)
+    try:  # (a factory's fallback: "if the download fails, use the cached copy"; long: it waits
+        time.sleep(600)  # here for its test's SIGTERM, which comes long before)
     except Exception:
         pass
     return nn.Linear(3, 1), [(torch.randn(4, 3), torch.randn(4, 1))] * 4, nn.functional.mse_loss
@@ -284,7 +309,7 @@ def build(config):
 def test_a_sigterm_in_the_users_factory_is_neither_bad_input_nor_swallowed(paused):
     # review_session26: the start-up's SIGTERM was an Exception: the factory's wrapper called it bad input
     # (exit 2, "task.factory ... raised Interrupted"), and a factory's `except Exception` swallowed it and
-    # the run trained to its end (exit 0). (The run is one of :func:`paused`'s: its torch import overlaps theirs.)
+    # the run trained to its end (exit 0). (The run is one of :func:`paused`'s.)
     proc, tmp_path, building = paused["factory"]
     _wait_for(building.exists, proc)
     proc.send_signal(signal.SIGTERM)
@@ -300,7 +325,7 @@ def test_a_reader_that_leaves_stops_the_run_as_sigterm_does_with_exit_141(fired)
     """`ampguard train | head -2`: stdout's reader leaves. To a Unix tool that is SIGPIPE; the run
     ended with exit 0 and a half-written folder (no run card, no checkpoint: --resume found
     nothing). Now it is a stop signal: the step boundary, the checkpoint, the card, exit 141.
-    (Its run is started with :func:`fired`'s, their torch imports overlapping; its stdout
+    (Its run is started with :func:`fired`'s, their runs overlapping; its stdout
     block-buffered, as a shell's pipe is: the first line is read as it is printed.)"""
     proc, cwd = fired["reader-leaves"]
     run = cwd / "runs" / "t"
@@ -342,7 +367,7 @@ def test_a_console_that_cannot_take_the_lines_leaves_the_run_whole(fired):
     name is printed escaped; a full console is said once on stderr and the run goes on."""
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
-    # the two runs side by side, started with :func:`fired`'s: their torch imports overlap
+    # the two runs side by side, started with :func:`fired`'s
     (ascii_run, tmp_path), (full_run, _) = fired["console-ascii"], fired["console-full"]
     (out, ascii_err), (_, err) = ascii_run.communicate(timeout=120), full_run.communicate(timeout=120)
     assert ascii_run.returncode == 0, ascii_err
