@@ -239,11 +239,12 @@ def test_regression_on_the_linear_task(cli, tmp_path):
 
 @pytest.fixture(scope="module")
 def linear_checkpoint(tmp_path_factory) -> Path:
-    """The final checkpoint of a 5-step fp32 linear run."""
+    """The final checkpoint of a 5-step fp32 linear run (no plot: only its checkpoint is read)."""
     runs = tmp_path_factory.mktemp("runs")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = main(["train", "--set", "task.name=linear", "--set", "precision=fp32", "--set", "steps=5",
-                     "--set", "optimizer.lr=0.05", "--set", f"log.dir={runs}", "--set", "log.name=ck"])
+                     "--set", "optimizer.lr=0.05", "--set", f"log.dir={runs}", "--set", "log.name=ck",
+                     "--set", "log.plot=false"])
     assert code == 0
     path = runs / "ck" / "checkpoints" / "step-00000005.pt"
     assert path.is_file()
