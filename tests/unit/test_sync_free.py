@@ -60,11 +60,27 @@ def _run(sync_free: bool, precision: str, accumulation: int, fuse_tail: bool = F
     return model, records, reads, state
 
 
+@pytest.fixture(scope="module")
+def run():
+    """``run(sync_free, precision, accumulation)``: :func:`_run`'s result, made once for the module's
+    tests, which only read it (the sync-free fp16 run of 20 steps was made four times, the default
+    path's twice, the sync-free bf16 run twice)."""
+    made: dict[tuple[bool, str, int], tuple] = {}
+
+    def get(sync_free: bool, precision: str, accumulation: int):
+        key = (sync_free, precision, accumulation)
+        if key not in made:
+            made[key] = _run(*key)
+        return made[key]
+
+    return get
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_same_decisions_as_the_default_path_and_no_host_read(precision, accumulation):
-    ref_model, ref, ref_reads, ref_state = _run(False, precision, accumulation)
-    model, fast, reads, state = _run(True, precision, accumulation)
+def test_same_decisions_as_the_default_path_and_no_host_read(run, precision, accumulation):
+    ref_model, ref, ref_reads, ref_state = run(False, precision, accumulation)
+    model, fast, reads, state = run(True, precision, accumulation)
     assert reads == [0] * STEPS  # not one value read back during the steps
     assert set(ref_reads) == {1}  # the default path reads the skip decision, once
     assert all(isinstance(r, PendingStep) for r in fast)
@@ -79,10 +95,10 @@ def test_same_decisions_as_the_default_path_and_no_host_read(precision, accumula
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_compiled_tail_makes_the_same_decisions(precision):
+def test_the_compiled_tail_makes_the_same_decisions(run, precision):
     """fuse_tail: the tail through torch.compile (Inductor's C++ on a CPU) skips the same steps,
     reports the same scales, clips to the same norms and lands on the same weights (to rounding)."""
-    eager_model, eager, _, _ = _run(True, precision, 1)
+    eager_model, eager, _, _ = run(True, precision, 1)
     model, fused, reads, state = _run(True, precision, 1, fuse_tail=True)
     assert reads == [0] * STEPS
     assert [r.reason for r in fused] == [r.reason for r in eager] and any(r.skipped for r in fused)
@@ -142,8 +158,8 @@ def test_a_resume_that_loads_the_optimizer_before_the_guard_keeps_the_schedules_
     assert lrs[3] < lrs[2]  # (the schedule moves: a base taken from the decayed LR would show)
 
 
-def test_the_lr_schedule_holds_on_skipped_steps():
-    _, fast, _, _ = _run(True, "fp16", 1)
+def test_the_lr_schedule_holds_on_skipped_steps(run):
+    _, fast, _, _ = run(True, "fp16", 1)
     lrs = [r.values()["lr"] for r in fast]
     applied_before = 0
     for record, lr in zip(fast, lrs):
@@ -169,9 +185,9 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_alone():
     assert state.steps == 2 and state.updates == 1
 
 
-def test_pending_steps_resolve_and_write_the_same_csv(tmp_path):
-    _, ref, _, _ = _run(False, "fp16", 1)
-    _, fast, _, _ = _run(True, "fp16", 1)
+def test_pending_steps_resolve_and_write_the_same_csv(run, tmp_path):
+    _, ref, _, _ = run(False, "fp16", 1)
+    _, fast, _, _ = run(True, "fp16", 1)
     resolved = [r.resolve() for r in fast]
     assert [type(r) for r in resolved] == [type(r) for r in ref]
     assert all(isinstance(r, (StepLog, SkipLog)) for r in resolved)
