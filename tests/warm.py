@@ -168,11 +168,29 @@ def _context() -> Any:
     return _CONTEXT
 
 
+def method_name(depth: int = 2) -> str:
+    """torch's ``dynamic_rendezvous.get_method_name`` (the name of the function ``depth`` frames
+    up, ``inspect.stack()[depth].function``), read from the frame: ``inspect.stack()`` looks up
+    each frame's module and source, and in a forkserver's child, holding ~4,000 modules, torchrun's
+    agent spent ~1.7 s of CPU an agent on it (two calls a rendezvous record, for the records'
+    names; ~14 agents in the suite, review 59f). The same name (tests/unit/test_warm.py)."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # (fewer frames: torch's own answer)
+        return "no_method_name"
+
+
 def _warm_up() -> None:
     """What ampguard's plots import (run in the forkserver, when it imports this module): a
-    ``Figure`` and its Agg canvas (``report.import_matplotlib``; no pyplot, no backend chosen)."""
+    ``Figure`` and its Agg canvas (``report.import_matplotlib``; no pyplot, no backend chosen);
+    and torchrun's rendezvous with :func:`method_name` for its ``get_method_name``."""
     for module in ("matplotlib.figure", "matplotlib.backends.backend_agg"):
         importlib.import_module(module)
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:  # (a torch without torch.distributed)
+        return
+    dynamic_rendezvous.get_method_name = method_name
 
 
 if getattr(sys.modules.get("__main__"), "main", None) is getattr(sys.modules.get("multiprocessing.forkserver"), "main",

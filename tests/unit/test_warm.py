@@ -215,3 +215,26 @@ def test_a_torchrun_worker_forked_warm_dies_with_its_stand_in_and_torchrun_repor
             os.killpg(launch.pid, signal.SIGKILL)
             launch.communicate()
     assert launch.returncode != 0 and "exitcode  : -9" in err, err[-2000:]
+
+
+def test_torchruns_rendezvous_records_are_named_in_a_warm_child_as_torch_names_them():
+    # review 59f: the forkserver gives torchrun's agent warm.method_name for torch's get_method_name
+    # (inspect.stack(): ~1.7 s of CPU an agent in a child holding ~4,000 modules); the same names
+    dynamic_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+
+    torch_own = dynamic_rendezvous.get_method_name  # (this process's own: the tests' process is no forkserver child)
+    assert torch_own is not warm.method_name
+
+    def inner(name, *depth):
+        return name(*depth)
+
+    def caller(name, *depth):
+        return inner(name, *depth)
+
+    for depth in ((), (1,), (3,), (10_000,)):
+        assert caller(warm.method_name, *depth) == caller(torch_own, *depth), depth
+    assert caller(warm.method_name) == "caller" and warm.method_name(10_000) == "no_method_name"
+    done = warm.run([sys.executable, "-c", "import warm\nfrom torch.distributed.elastic.rendezvous import "
+                     "dynamic_rendezvous as d\nprint(d.get_method_name is warm.method_name)"],
+                    capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "True\n", done.stderr
