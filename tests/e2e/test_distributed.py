@@ -64,13 +64,15 @@ def early(work: Path) -> dict[str, Ended]:
     w_left = snapshot_of(w)
     (work / "S_out").mkdir()
     b = work / "B_runs" / "B"
-    # (F: no test reads its plot; rank 0 drawing one costs a fresh process ~2 s of CPU)
+    # (F, B: no test reads their plots; rank 0 drawing one costs ~0.7 s of CPU, the rest of such a run
+    # ~0.1 s. B's resume is told so: the plot is not what its bit-for-bit comparison reads)
     batch = Batch("AF", {
         "A": Run(["train", *RUN_A, *FAULTS_A, "--set", f"log.dir={work / 'A_runs'}"], cwd="A_cwd"),
         "F": Run(["train", *RUN_F, *FAULTS_F, "--set", "log.plot=false", "--set", f"log.dir={work / 'F_runs'}",
                   "--set", "log.name=F"], cwd="F_cwd"),
         "S": Run([str(work / "S_out" / "state")], cwd="S_cwd", script=str(SCRIPTS / "lib_api.py")),
-        "B": Run(["train", "--resume", str(b / "checkpoints" / CKPT4)], cwd="B_cwd", copy=(f"{work / 'A_runs'}/*", str(b))),
+        "B": Run(["train", "--resume", str(b / "checkpoints" / CKPT4), "--set", "log.plot=false"], cwd="B_cwd",
+                 copy=(f"{work / 'A_runs'}/*", str(b))),
         "W": Run(["train", "--resume", str(w / "checkpoints" / CKPT4)], cwd="W_cwd")},
         work, timeout_s=TIMEOUT_S, env=torchrun_env())
     try:
@@ -99,10 +101,11 @@ def resume_launches(launches, work):
 
 
 def _single_process(work: Path, name: str, args: list[str]) -> Path:
-    """``ampguard train`` in this process (world size 1) with batches of 2B; its run folder."""
+    """``ampguard train`` in this process (world size 1) with batches of 2B; its run folder (no
+    plot: no test reads a reference's, and drawing one is most of such a run's CPU, ~0.7 s)."""
     env_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     assert not any(k in os.environ for k in env_keys), "run the tests outside torchrun"
-    code = ampguard_main(["train", *args, "--set", "task.batch_size=16",
+    code = ampguard_main(["train", *args, "--set", "task.batch_size=16", "--set", "log.plot=false",
                           "--set", f"log.dir={work / 'single'}", "--set", f"log.name={name}"])
     assert code == 0
     return work / "single" / name
