@@ -183,18 +183,20 @@ def test_a_torchrun_worker_forked_warm_dies_with_its_stand_in_and_torchrun_repor
     """tests/warm_worker.py: a worker forked warm (its parent the forkserver, not torchrun's
     stand-in) is killed by the kernel the moment its stand-in is (torchrun's SIGKILL after its
     grace, a test's kill of the launch), not left running; torchrun reports the rank killed, as it
-    would a fresh worker. (The exit codes a stand-in hands on: the torchrun guards' tests.)"""
+    would a fresh worker. (The exit codes a stand-in hands on: the torchrun guards' tests.) Torchrun
+    itself forked warm too (``python -m torch.distributed.run``, as the early jobs start it): its
+    agent is not what is tried, and a fresh one imported torch first, ~4 s of CPU."""
     import time
 
-    from helpers import torchrun, torchrun_env, warm_workers
+    from helpers import torchrun_env, warm_workers
 
     psutil = pytest.importorskip("psutil")
     code = ("import os, time\nopen(f'rank{os.environ[\"RANK\"]}.pid', 'w').write(f'{os.getpid()} {os.getppid()}')"
             "\ntime.sleep(120)")
     workers, env = warm_workers(torchrun_env())
-    launch = subprocess.Popen([*torchrun(), "--standalone", "--nproc_per_node", "2", *workers, "-c", code],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    launch = warm.Popen([EXE, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *workers,
+                         "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and time.monotonic() < deadline:
