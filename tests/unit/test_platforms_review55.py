@@ -4,7 +4,11 @@ verb crashed at import (``signal.SIGPIPE``), ``replace_atomically`` needed ``dir
 opened and ``os.geteuid`` (a run folder, a CSV resume), ``rename_onto_nothing`` let
 ``ctypes.CDLL(None)``'s ``TypeError`` out, and run folders went unlocked without a word. The
 scenarios run in one simulated interpreter, after a ``train`` run in a process forked from it before
-ampguard's import; these are simulations, not runs on a real Windows."""
+ampguard's import; these are simulations, not runs on a real Windows. That interpreter is forked
+warm (tests/warm.py: torch, numpy, matplotlib and ``torch._dynamo`` imported already, as
+platform_sim.py imports the third-party modules before it takes anything away; a fresh one spent
+~7 CPU-s importing them): ampguard's modules, which the forkserver imported too, on Linux, are
+taken out of ``sys.modules`` first, so each is imported afresh under the simulation."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 from ampguard import files, validate
 from ampguard.errors import InputError
@@ -28,6 +33,12 @@ from pathlib import Path
 
 out, results = Path(sys.argv[1]), {}
 d = out.parent
+
+# Forked warm, this interpreter holds the ampguard modules its forkserver imported, on Linux: out,
+# so that each is imported afresh under the simulation (in a fresh interpreter, none is imported yet;
+# ampguard changes nothing outside its own modules as it is imported)
+for name in [name for name in sys.modules if name == "ampguard" or name.startswith("ampguard.")]:
+    del sys.modules[name]
 
 # First `python -m ampguard ARGS` in a child forked before ampguard is imported here: the process
 # `platform_sim.py win -m ampguard ARGS` would be (the simulation made, torch imported, ampguard
@@ -191,14 +202,16 @@ out.write_text(json.dumps(results))
 
 
 def _env() -> dict[str, str]:
+    # (one intra-op thread: platform_sim.py sets torch's; the forkserver's OMP_NUM_THREADS is the suite's)
     src = Path(__file__).resolve().parents[2] / "src"
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+            "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def simulated(modes: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SIM), modes, *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    """``python tests/platform_sim.py MODES ARGS``, forked warm (tests/warm.py; the module's docstring)."""
+    return warm.run([sys.executable, str(SIM), modes, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+                    timeout=300)
 
 
 TRAIN = ["train", "--set", "task.name=linear", "--set", "steps=3", "--set", "precision=fp32", "--set", "device=cpu",
