@@ -41,8 +41,11 @@ def test_the_header_carries_the_settings_that_change_the_figures(capsys):
 
     before = torch.get_num_threads()
     try:
-        assert bench.run(models="mlp", precisions="fp32", steps=1, rounds=2, warmup=1, peers=False, aa=False,
-                         threads=1, resolve_pct=0.0, batch=8, fused=True) == 0
+        # (--fused adds the sync-free contender whose tail torch.compile compiles: run eagerly here, what is
+        # checked is the header; Inductor's C++ of that tail, ~6-14 CPU-s with g++, is test_sync_free's)
+        with torch.compiler.set_stance("force_eager"):
+            assert bench.run(models="mlp", precisions="fp32", steps=1, rounds=2, warmup=1, peers=False, aa=False,
+                             threads=1, resolve_pct=0.0, batch=8, fused=True) == 0
     finally:
         torch.set_num_threads(before)
     header = capsys.readouterr().out.splitlines()[0]
