@@ -403,8 +403,9 @@ def _measure(**kw):
 
 def _fake_timings(monkeypatch, timing=lambda c, ran: 1.0, *, run_steps: bool = True):
     """Feed ``timing(contender, names timed so far)`` through ampguard's own timing function (the
-    steps still run, unless ``run_steps`` is false: a test of the stop rule alone), so the rounds'
-    decisions do not hang on this machine's wall clock."""
+    steps still run, unless ``run_steps`` is false: a test of the stop rule alone, whose rounds run
+    no step, not even the untimed one that opens each round; the warm-up's still run), so the
+    rounds' decisions do not hang on this machine's wall clock."""
     from ampguard import bench
 
     ran: list[str] = []
@@ -416,6 +417,15 @@ def _fake_timings(monkeypatch, timing=lambda c, ran: 1.0, *, run_steps: bool = T
         return timing(c, ran)
 
     monkeypatch.setattr(bench, "_time_steps", time_steps)
+    if not run_steps:
+        run_rounds = bench._run_rounds
+
+        def without_steps(built, *args, **kwargs):
+            for c in built:
+                c.step = lambda: None  # (each round's untimed step too; the warm-up ran real ones)
+            return run_rounds(built, *args, **kwargs)
+
+        monkeypatch.setattr(bench, "_run_rounds", without_steps)
     return ran
 
 
