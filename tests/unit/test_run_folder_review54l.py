@@ -113,7 +113,8 @@ def test_a_lock_nobody_here_holds_is_not_taken_unless_it_names_an_ended_process_
     assert _names(live.dir) == before and _names(runs) == ["a"]
     with pytest.raises(InputError) as refused:
         RunPaths.new_run_dir(_config(runs, "a"), lock=True)
-    assert len(str(refused.value)) < 500 and "\x1b" not in str(refused.value)
+    message = str(refused.value)  # (the host cut short: the line without the folder's path, which is the test's)
+    assert len(message.replace(str(live.dir), "<dir>")) < 450 and "\x1b" not in message
 
 
 @pytest.mark.parametrize("holder", ["a new container", "a restarted container"])
