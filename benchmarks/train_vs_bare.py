@@ -82,7 +82,9 @@ def _config(args: argparse.Namespace, **extra):
         task["preset"] = "gpt2-small"  # (--model default: the embedded default's 2 x 64, context 64)
     return validate({"task": task, "precision": args.precision, "device": args.device, "compile": not args.eager,
                      "steps": args.steps, "eval": {"enabled": False}, "checkpoint": {"enabled": False},
-                     "log": {"every": args.every, **({"peak_tflops": args.peak_tflops} if args.peak_tflops else {})},
+                     # (no report.png: drawn as the run ends into a folder deleted at once, ~0.7 s of a short run)
+                     "log": {"every": args.every, "plot": False,
+                             **({"peak_tflops": args.peak_tflops} if args.peak_tflops else {})},
                      **extra})
 
 
