@@ -37,19 +37,6 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # 27-39 s -> 14-16 s of CPU, 54-72 s -> 13-15 s of wall). Read by libgomp as torch loads it,
 # below; what a test checks is the thread count, which this leaves as it was.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# One Inductor cache for the whole run: every process a compile happens in (both workers, the early
-# jobs, the processes they start) reads what another compiled already. Left to itself Inductor took
-# the folder from the temporary folder of the moment it first compiled: a doctest's tmp_path in one
-# worker, an early job's own TMPDIR, so each compiled the same graphs cold (and its precompiled
-# header, ~10 s of CPU with g++). A folder of this run's (made by the process that started the suite,
-# inherited by the rest, removed at its end: pytest_unconfigure); a user's own setting is kept.
-# (Inductor's precompiled headers go where its default cache is, whatever this says: read at its
-# codecache's import, which tests/warm.py's forkservers and the processes that run tests make before
-# any TMPDIR changes: pytest_configure; not xdist's controller, which compiles nothing: ~2.7 s of CPU.)
-_INDUCTOR_CACHE = None if "TORCHINDUCTOR_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="ampguard-inductor-")
-if _INDUCTOR_CACHE:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
-
 import pytest  # noqa: E402 - after the thread counts
 import torch  # noqa: E402
 import warm  # noqa: E402
@@ -60,14 +47,32 @@ from helpers import EARLY_TIMEOUT_S, GLOO, end_processes, snapshot_of
 from ampguard.cli import main
 
 
+_INDUCTOR_CACHE: list[str] = []
+"""The Inductor cache folder this process made for the run (:func:`pytest_configure`)."""
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _INDUCTOR_CACHE:  # (this process made it: the last of the run to end)
-        shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
+    for folder in _INDUCTOR_CACHE:  # (this process made it: the last of the run to end)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # One Inductor cache for the whole run: every process a compile happens in (both workers, the early
+    # jobs, the processes they start) reads what another compiled already. Left to itself Inductor took
+    # the folder from the temporary folder of the moment it first compiled: a doctest's tmp_path in one
+    # worker, an early job's own TMPDIR, so each compiled the same graphs cold (and its precompiled
+    # header, ~10 s of CPU with g++). A folder of this run's, made here by the process that starts the
+    # suite, before its workers and forkserver (which inherit it), removed as it ends (pytest_unconfigure,
+    # which follows a configure only: one made at import leaked where pytest stopped before, a bad
+    # option); a user's own setting is kept. (Inductor's precompiled headers go where its default cache
+    # is, whatever this says: read at its codecache's import, which tests/warm.py's forkservers and the
+    # processes that run tests make before any TMPDIR changes; not xdist's controller, which compiles
+    # nothing: ~2.7 s of CPU.)
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        _INDUCTOR_CACHE.append(tempfile.mkdtemp(prefix="ampguard-inductor-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE[0]
     if not _controller(config):
-        importlib.import_module("torch._inductor.codecache")  # (its precompiled headers' folder fixed now: above)
+        importlib.import_module("torch._inductor.codecache")  # (its precompiled headers' folder fixed now)
     if _worker(config):  # (the early jobs xdist's controller runs: pytest_sessionstart)
         _FROM_CONTROLLER.update({m: Path(w) for m, w in config.workerinput.get("ampguard_early", [])})
     elif _controller(config):
