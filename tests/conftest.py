@@ -30,6 +30,11 @@ for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # forkserver the processes the tests start are forked from (tests/warm.py), whose children cannot
 # be given other ones (``warm.READ_AT_START``); the torchrun launches ask for it (helpers.torchrun_env).
 os.environ.setdefault("TQDM_DISABLE", "1")
+# No requirements file in a W&B run the tests start: each run's start otherwise reads the metadata
+# of every installed package for it (~0.2 of the ~0.25 CPU-s a ``wandb.init`` takes once W&B is
+# imported; review 59c), and no test reads it. W&B reads the setting as it is set up (after a
+# ``wandb.teardown()``, or in a process of its own), from the environment every process inherits.
+os.environ.setdefault("WANDB__SAVE_REQUIREMENTS", "false")
 # The tests that compute with more than one thread (the bench pins the usable CPUs, two here; the
 # benchmark scripts' --threads) have OpenMP's threads sleep, not spin, between ops: spinning, each
 # one's second thread burned a core the other worker and the early jobs needed, and under load

@@ -149,7 +149,6 @@ def test_a_fit_a_callback_stopped_early_says_so_and_ends_finished(tmp_path):
 
 def test_a_wandb_offline_run_stopped_by_the_guard_holds_the_monitor_and_exits_3(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB__SAVE_REQUIREMENTS", "false")  # (no requirements file: test_trackers.NO_PACKAGE_LIST)
     wandb.teardown()  # a W&B set up earlier in this process keeps its settings
     sink = WandbSink(project="pl", mode="offline", dir=tmp_path)
     plugin = AmpGuardPlugin("bf16-mixed", sinks=[sink], log=False, **DIVERGED)

@@ -110,21 +110,6 @@ def same(a: float | None, b: float | None) -> bool:
     return a is b is None or (a is not None and b is not None and (a == b or (math.isnan(a) and math.isnan(b))))
 
 
-NO_PACKAGE_LIST = {"WANDB__SAVE_REQUIREMENTS": "false"}
-"""W&B's setting ``x_save_requirements`` off: each run's start otherwise reads the metadata of every
-installed package for its requirements file (~0.2 of the ~0.25 CPU-s a ``wandb.init`` takes once W&B
-is imported), which no test reads. (W&B reads it as it is set up: after a ``wandb.teardown()``, or in
-a process of its own.)"""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_package_list():
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in NO_PACKAGE_LIST.items():
-            mp.setenv(name, value)
-        yield
-
-
 # ---------------------------------------------------------------------------- a tiny run, then its resume
 
 @pytest.fixture(scope="module")
@@ -580,7 +565,7 @@ def early(work: Path) -> dict[str, Ended]:
 
     script = work / "crash.py"
     script.write_text(CRASHING_LOOP, encoding="utf-8")
-    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline", **NO_PACKAGE_LIST}
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
     import warm
 
     # (forked warm: torch imported already, ~4.5 s of CPU each; warm ends a crash as CPython does,

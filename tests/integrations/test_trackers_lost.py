@@ -94,7 +94,6 @@ def test_one_tracker_failing_at_the_end_leaves_the_others_whole_and_the_exit_cod
     # artifacts, and a finished run exited 1 after a traceback while its card said "finished"
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB__SAVE_REQUIREMENTS", "false")  # (no requirements file: test_trackers.NO_PACKAGE_LIST)
     wandb.teardown()
 
     def full(self, files):

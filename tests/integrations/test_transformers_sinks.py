@@ -320,7 +320,6 @@ def test_after_an_auto_find_batch_size_retry_each_sink_holds_the_new_attempts_st
     from test_trackers import wandb_run
 
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB__SAVE_REQUIREMENTS", "false")  # (no requirements file: test_trackers.NO_PACKAGE_LIST)
     wandb.teardown()  # (a W&B set up earlier in this process keeps its settings)
     mlflow, jsonl = _sink(tmp_path), JsonlSink(tmp_path / "steps.jsonl")
     sinks = [mlflow, WandbSink(project="hf", mode="offline", dir=tmp_path), TensorBoardSink(tmp_path / "tb"), jsonl,
@@ -391,7 +390,6 @@ def test_a_wandb_sink_beside_hfs_own_wandb_reporting_keeps_a_run_of_its_own(tmp_
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB__SAVE_REQUIREMENTS", "false")  # (no requirements file: test_trackers.NO_PACKAGE_LIST)
     wandb.teardown()  # (a W&B set up earlier in this process keeps its settings)
     sink = WandbSink(project="sink", mode="offline", dir=tmp_path)
     callback = AmpGuardCallback(sinks=[sink], print_fn=lambda line: None)
