@@ -42,6 +42,7 @@ os.environ.setdefault("WANDB__SAVE_REQUIREMENTS", "false")
 # 27-39 s -> 14-16 s of CPU, 54-72 s -> 13-15 s of wall). Read by libgomp as torch loads it,
 # below; what a test checks is the thread count, which this leaves as it was.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest  # noqa: E402 - after the thread counts
 import torch  # noqa: E402
 import warm  # noqa: E402

@@ -325,6 +325,12 @@ def in_fork(fn: Any, *, preexec: Any = None) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), said
 
 
+WARM_TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+"""torchrun of two local workers, forked warm itself (``python -m torch.distributed.run``, its
+script's main: its own ``torchrun`` command is a fresh interpreter importing torch first); its
+workers :func:`warm_workers`' stand-ins, their options after these."""
+
+
 def torchrun() -> list[str]:
     """The command that starts torchrun from this virtualenv."""
     exe = Path(sys.executable).with_name("torchrun")
@@ -464,9 +470,7 @@ class Launch:
         self.name, self.cwd, self.timeout_s = name, cwd, timeout_s
         cwd.mkdir(parents=True, exist_ok=True)
         workers, env = warm_workers(env or torchrun_env())
-        # (torchrun itself forked warm too: ``python -m torch.distributed.run`` is its script's main)
-        self.cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *workers,
-                    *args]
+        self.cmd = [*WARM_TORCHRUN, *workers, *args]
         self._out = (cwd.parent / f"{name}.stdout").open("w+")
         self._err = (cwd.parent / f"{name}.stderr").open("w+")
         self.started = time.monotonic()

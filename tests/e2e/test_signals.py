@@ -3,6 +3,7 @@ arrive while a run writes its last checkpoint and run card wait for them."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -131,9 +132,9 @@ def paused(tmp_path_factory):
                        "--set", "steps=3", "--set", "log.name=f"), cwd, cwd / "building")
 
     started = _StartedWhenAsked({
-        **{case: lambda case=case: card(case) for case in CARD_SIGNALS},
-        **{phase: lambda phase=phase: startup(phase) for phase in PHASES},
-        **{f"SIGTERM-{phase}": lambda phase=phase: term(phase) for phase in TERM_PHASES},
+        **{case: functools.partial(card, case) for case in CARD_SIGNALS},
+        **{phase: functools.partial(startup, phase) for phase in PHASES},
+        **{f"SIGTERM-{phase}": functools.partial(term, phase) for phase in TERM_PHASES},
         "factory": factory,
     })
     try:

@@ -10,10 +10,9 @@ step after the refusals), every rank's stderr in a file of its own (torchrun's `
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
-from helpers import EARLY_TIMEOUT_S, TORCHRUN, Ended, run_to_end, torchrun_env, warm_workers
+from helpers import EARLY_TIMEOUT_S, TORCHRUN, WARM_TORCHRUN, Ended, run_to_end, torchrun_env, warm_workers
 
 pytestmark = TORCHRUN
 
@@ -27,8 +26,7 @@ exit code, checked too: not any "Traceback", which a library's noise at exit und
 def _launch(work: Path, framework: str, targets: list[str]) -> Ended:
     folder = work / framework
     workers, env = warm_workers(torchrun_env())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--log-dir", str(folder / "logs"), "--redirects", "2", *workers, str(SCRIPT), framework, str(folder),
+    cmd = [*WARM_TORCHRUN, "--log-dir", str(folder / "logs"), "--redirects", "2", *workers, str(SCRIPT), framework, str(folder),
            *targets]
     return run_to_end(framework, cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=env)
 

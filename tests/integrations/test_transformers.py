@@ -7,13 +7,12 @@ import json
 import math
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import EARLY_TIMEOUT_S, Ended, read_rows, run_to_end, torchrun_env, warm_workers
+from helpers import EARLY_TIMEOUT_S, WARM_TORCHRUN, Ended, read_rows, run_to_end, torchrun_env, warm_workers
 
 transformers = pytest.importorskip("transformers")
 from accelerate.state import AcceleratorState  # noqa: E402
@@ -814,9 +813,7 @@ def early(work: Path) -> dict[str, Ended]:
     folder.mkdir()
     (folder / "train.py").write_text(DDP_TRAIN, encoding="utf-8")
     workers, env = warm_workers(torchrun_env())
-    # (``python -m torch.distributed.run``: torchrun forked warm, where its own command is a fresh interpreter)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *workers,
-           str(folder / "train.py"), str(folder / "out")]
+    cmd = [*WARM_TORCHRUN, *workers, str(folder / "train.py"), str(folder / "out")]
     return {"ddp": run_to_end("ddp", cmd, folder, timeout_s=EARLY_TIMEOUT_S, env=env)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import math
 from types import SimpleNamespace
 
@@ -65,15 +66,7 @@ def run():
     """``run(sync_free, precision, accumulation)``: :func:`_run`'s result, made once for the module's
     tests, which only read it (the sync-free fp16 run of 20 steps was made four times, the default
     path's twice, the sync-free bf16 run twice)."""
-    made: dict[tuple[bool, str, int], tuple] = {}
-
-    def get(sync_free: bool, precision: str, accumulation: int):
-        key = (sync_free, precision, accumulation)
-        if key not in made:
-            made[key] = _run(*key)
-        return made[key]
-
-    return get
+    return functools.cache(_run)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

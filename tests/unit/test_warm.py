@@ -188,15 +188,14 @@ def test_a_torchrun_worker_forked_warm_dies_with_its_stand_in_and_torchrun_repor
     agent is not what is tried, and a fresh one imported torch first, ~4 s of CPU."""
     import time
 
-    from helpers import torchrun_env, warm_workers
+    from helpers import WARM_TORCHRUN, torchrun_env, warm_workers
 
     psutil = pytest.importorskip("psutil")
     code = ("import os, time\nopen(f'rank{os.environ[\"RANK\"]}.pid', 'w').write(f'{os.getpid()} {os.getppid()}')"
             "\ntime.sleep(120)")
     workers, env = warm_workers(torchrun_env())
-    launch = warm.Popen([EXE, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *workers,
-                         "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                        start_new_session=True)
+    launch = warm.Popen([*WARM_TORCHRUN, *workers, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"rank{r}.pid").exists() for r in (0, 1)) and time.monotonic() < deadline:
