@@ -29,7 +29,7 @@ from .errors import ExitCode, InputError, failed_because, first_line, table_cell
 from .errors import shown as shown_path
 from .files import temporary_beside
 from .monitor import RunMonitor
-from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at,
+from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at, log_y,
                      finite_points, import_matplotlib, judged_at_end, new_figure, panel_title, plot_metadata,
                      policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of, rolling_skip_rate,
                      scale_restarts, segment_ends, shown, threshold_by_step, threshold_line, threshold_text, whole_steps)
@@ -336,13 +336,11 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         ax_skip.plot([r.step for r in rows], rates, lw=1.2, color=colour,
                      label=f"{run.name} (window {run.config.monitor.window})", **dots(rows))
     if log_loss and losses:
-        ax_loss.set_yscale("log")
-        ax_loss.set_ylabel("loss (log)")
+        log_y(ax_loss, "loss (log)")
     else:  # linear, or symmetric log for losses of both signs near the float maximum
         _linear_y(ax_loss, losses, "loss")
     panel_title(ax_loss, "Loss (x: a skipped step)")
-    ax_norm.set_yscale("log")
-    ax_norm.set_ylabel("gradient norm (log)")
+    log_y(ax_norm, "gradient norm (log)")
     panel_title(ax_norm, "Global gradient L2 norm before clipping (dashed: each run's max_norm)")
     ax_scale.set_ylabel("log2(loss scale)")
     panel_title(ax_scale, "Loss scale after each step's update (0 = 1.0: no scaler)")

@@ -58,3 +58,58 @@ def test_every_skip_is_marked_on_every_panel_by_its_reason(drawn):
         assert sorted(x for (x,) in marks) == [2.0, 3.0]
         if i == 0:  # (the legend's labels on the first panel)
             assert sorted(marks.values()) == ["skipped: non_finite_grad (1)", "skipped: non_finite_loss (1)"]
+
+
+
+
+def test_the_log_panels_label_their_ticks_in_plain_text(drawn):
+    from ampguard.report import _plain_log_formatter
+
+    _, (ax_loss, ax_norm, *_) = drawn
+    for ax in (ax_loss, ax_norm):
+        assert ax.get_yscale() == "log"
+        assert type(ax.yaxis.get_major_formatter()) is type(ax.yaxis.get_minor_formatter()) is _plain_log_formatter()
+
+LOG_CASES = [
+    ("log", 0.3, 0.9),  # (under a decade: the minor ticks labelled, "3×10⁻¹")
+    ("log", 1e-3, 1e2), ("log", 1e-30, 1e30),  # (decades only; labelled every few decades)
+    ("symlog", -1e308, 1e308),  # (both signs and 0, as _linear_y draws a loss near the float maximum)
+]
+
+
+def test_the_log_axes_label_their_ticks_as_matplotlib_does_in_plain_text():
+    """log_y's labels are matplotlib's own (LogFormatterSciNotation's, at the same ticks), written
+    without math text (parsed anew for every figure: ~15% of a report's time): each form matplotlib
+    gives is translated, none left as "$\\mathdefault{...}$". (One figure, one draw, every case.)"""
+    import warnings
+
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    from ampguard.report import log_y, new_figure, plain_log_label
+
+    fig, axes = new_figure(2 * len(LOG_CASES), (6.0, 12.0))
+    pairs = list(zip(axes[::2], axes[1::2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (numpy's overflow notes near the float64 limit)
+        for (ours, stock), (scale, low, high) in zip(pairs, LOG_CASES):
+            for ax in (ours, stock):
+                ax.plot([1, 2], [low, high])
+            log_y(ours, "y (log)", scale)
+            stock.set_yscale(scale)
+            stock.set_ylim(ours.get_ylim())
+        fig.canvas.draw()
+        labels = [{which: ([t.get_text() for t in ours.get_yticklabels(which=which)],
+                           [t.get_text() for t in stock.get_yticklabels(which=which)])
+                   for which in ("major", "minor", "both")} for ours, stock in pairs]
+    for (ours, stock), (scale, low, high), texts in zip(pairs, LOG_CASES, labels):
+        assert type(stock.yaxis.get_major_formatter()) is LogFormatterSciNotation
+        for which in ("major", "minor"):
+            mine, theirs = texts[which]
+            assert mine == [plain_log_label(text) for text in theirs], (scale, low, which)
+            assert not any("$" in text for text in mine)
+        shown = [text for text in texts["both"][0] if text]
+        assert shown and all(any(c.isdigit() or c in "⁰¹²³⁴⁵⁶⁷⁸⁹" for c in text) for text in shown)
+        if low == 0.3:
+            assert any("×10⁻¹" in text for text in shown)
+        if scale == "symlog":
+            assert "0" in shown and any(text.startswith("−10") for text in shown)
