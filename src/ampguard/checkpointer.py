@@ -1519,12 +1519,7 @@ def check_resume(resume: Resume, config: Config, world_size: int | None = None, 
     if world_size is not None and saved_world != world_size:
         raise InputError(f"{resume.path}: saved by {counted(saved_world, 'process', 'processes')}, this run has {world_size}; "
                          "resume with the same world size")
-    position, rollbacks = resume.loaded.payload[DATA], resume.loaded.payload.get(ROLLBACKS) or []
-    bound = step * config.accumulation_steps + len(rollbacks) * _skip_batches_used(resume, config)
-    if position > bound:
-        raise InputError(f"{resume.path}: data position {position} is beyond what {counted(step, 'step')} could have taken "
-                         f"({bound} = step x accumulation_steps + rollbacks x the largest rollback.skip_batches "
-                         "the run used)")
+    check_data_position(resume.path, resume.loaded.payload, config)
 
 
 def holds_spike_window(payload: Mapping[str, Any]) -> bool:
@@ -1712,7 +1707,8 @@ def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Conf
     of other settings, review 53b). Returns what the callers read of the payload: its ``step``,
     ``config`` and ``state.scaler`` (where it has one); and, as the payload holds them, unchecked
     (a replay of a saved batch and validate read neither), ``data_position`` (where the run's data
-    went on after it: locate checks it, :func:`check_field`, and reads the step it replays from
+    went on after it: locate checks it, :func:`check_field` and :func:`check_data_position` with
+    the ``rollbacks`` and ``policy_changes`` it returns too, and reads the step it replays from
     there) and ``run_id`` (None without one).
 
     The payload is loaded on the host (``map_location``) and ``load_state_dict`` copies the
@@ -1730,6 +1726,7 @@ def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Conf
     check_task_settings(payload, settings, path)
     state = payload[STATE]  # (a mapping: load_weights checks it)
     return {STEP: payload[STEP], CONFIG: payload[CONFIG], DATA: payload.get(DATA), RUN_ID: payload.get(RUN_ID),
+            **{key: payload[key] for key in (ROLLBACKS, POLICY) if key in payload},
             STATE: {"scaler": state["scaler"]} if "scaler" in state else {}}
 
 
@@ -1739,28 +1736,65 @@ def _value(value: Any) -> str:
     return shown(value) if isinstance(value, str) else _short(value)
 
 
-def _skip_batches_used(resume: Resume, config: Config) -> int:
-    """The largest ``rollback.skip_batches`` the run has used: this resume's, the checkpoint's
-    config's, and each earlier resume's change of it (the checkpoint's policy log, old and new).
-    A rollback seeks with the value in force at the time, and ``skip_batches`` may change on
-    resume (docs/resume.md), so the resumed run's own value does not bound the past ones.
+def check_data_position(path: Path | str, payload: Mapping[str, Any], config: Config) -> None:
+    """A checkpoint's data position (``payload``'s, its fields checked) against what its steps
+    could have taken: :func:`check_reachable_position` of its step, with its rollbacks and the
+    largest ``rollback.skip_batches`` the run used (``config``'s, the checkpoint's config's and its
+    policy log's: :func:`skip_batches_used`). A resume and ``locate --step N`` read the stream up
+    to it where the task cannot seek (a factory without ``batches_from``): a hand-edited
+    10**15 read for ever. One :class:`InputError` line, naming the file."""
+    check_reachable_position(path, payload[DATA], payload[STEP], len(payload.get(ROLLBACKS) or []), config,
+                             skip_batches_used(config, payload[CONFIG], payload.get(POLICY)))
+
+
+def check_reachable_position(where: Path | str, position: int, step: int, rollbacks: int, config: Config,
+                             skip: int) -> None:
+    """Refuse a data position beyond what ``step`` steps could have taken: ``step x
+    accumulation_steps + rollbacks x skip`` (each step takes ``accumulation_steps`` micro-batches
+    and each rollback seeks at most ``skip``, the largest ``rollback.skip_batches`` the run used,
+    past a position already taken). The one bound of a checkpoint's position
+    (:func:`check_data_position`: a resume, ``locate``) and of a rollback event's (``locate``).
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> check_reachable_position("c.pt", 24, 4, 1, validate({"accumulation_steps": 4}), 8)  # 4 x 4 + 1 x 8
+        >>> try:
+        ...     check_reachable_position("c.pt", 10**15, 4, 1, validate({"accumulation_steps": 4}), 8)
+        ... except InputError as err:
+        ...     print(err)
+        c.pt: data position 1000000000000000 is beyond what 4 steps could have taken (24 = step x accumulation_steps + rollbacks x the largest rollback.skip_batches the run used)
+    """
+    bound = step * config.accumulation_steps + rollbacks * skip
+    if position > bound:
+        raise InputError(f"{where}: data position {position} is beyond what {counted(step, 'step')} could have taken "
+                         f"({bound} = step x accumulation_steps + rollbacks x the largest rollback.skip_batches "
+                         "the run used)")
+
+
+def skip_batches_used(config: Config, saved_config: Any = None, changes: Iterable[Any] | None = None) -> int:
+    """The largest ``rollback.skip_batches`` the run has used: ``config``'s (the resumed or
+    replayed run's), ``saved_config``'s (the checkpoint's), and each earlier resume's change of it
+    in ``changes`` (a checkpoint's policy log, or ``events.jsonl``'s ``policy_change`` events:
+    old and new). A rollback seeks with the value in force at the time, and ``skip_batches`` may
+    change on resume (docs/resume.md), so the run's own value now does not bound the past ones.
+    A value that is not a whole number (a hand edit) is passed over.
 
     Example (lowered from 20 to 5 at an earlier resume, and to 0 now)::
 
         >>> from ampguard.config import validate
         >>> saved = validate({"rollback": {"skip_batches": 5}}).model_dump(mode="json")
         >>> log = [{"key": "rollback.skip_batches", "old": 20, "new": 5, "step": 3}]
-        >>> resume = Resume(Loaded(Path("step-00000004.pt"), {STEP: 4, CONFIG: saved, POLICY: log}), Path("."))
-        >>> _skip_batches_used(resume, validate({"rollback": {"skip_batches": 0}}))
+        >>> skip_batches_used(validate({"rollback": {"skip_batches": 0}}), saved, log)
         20
     """
     used = [config.rollback.skip_batches]
-    saved = resume.saved_config.get("rollback")
-    if isinstance(saved, dict):  # (a checkpoint from before the key, or a bad one, has none)
+    saved = saved_config.get("rollback") if isinstance(saved_config, Mapping) else None
+    if isinstance(saved, Mapping):  # (a checkpoint from before the key, or a bad one, has none)
         used.append(saved.get("skip_batches"))
-    for change in resume.loaded.payload.get(POLICY) or []:
-        if change["key"] == "rollback.skip_batches":
-            used += [change["old"], change["new"]]
+    for change in changes or ():
+        if isinstance(change, Mapping) and change.get("key") == "rollback.skip_batches":
+            used += [change.get("old"), change.get("new")]
     return max(value for value in used if whole_number(value))
 
 

@@ -1580,7 +1580,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     import itertools
 
     from .build import initial_scale, precision_of, prepare_model, resolve_device, to_device
-    from .checkpointer import DATA, check_field, load_trained_weights
+    from .checkpointer import DATA, POLICY, ROLLBACKS, check_data_position, check_field, load_trained_weights
     from .faults import FaultInjector, check_nan_input, check_steps, parse_fault
     from .tasks import build_task
 
@@ -1617,7 +1617,11 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     else:
         n = config.accumulation_steps
         if saved is not None and saved["step"] < step:  # (one saved at or after the step: its position is not used)
-            check_field(checkpoint, saved, DATA)  # (an int >= 0: where the run's data went on after it)
+            for key in (DATA, ROLLBACKS, POLICY):  # (an int >= 0: where the run's data went on after it)
+                check_field(checkpoint, saved, key)
+            # within what its steps could have taken, as a resume checks it: a task that cannot seek
+            # (a factory without batches_from) reads the stream up to it, a hand-edited 10**15 for ever
+            check_data_position(checkpoint, saved, config)
         # where the run read the step: a rollback moved its data on (review 58d: (step - 1) x n was replayed)
         rollbacks = _run_rollbacks(config, checkpoint, saved, step)
         start = replay_position(step, n, saved=None if saved is None else (saved["step"], saved[DATA]),
@@ -1718,9 +1722,15 @@ def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any]
     no longer describe: with no rollback of any timeline between its step and ``step``, none moved
     its data (``[]``); with one, where its timeline read ``step`` is not known from here, one
     :class:`InputError` line (review 58l: the kept timeline's rollbacks were used, a clean verdict
-    on batches no step ``step`` read)."""
+    on batches no step ``step`` read). A rollback's position that the replay may read from (after
+    the checkpoint's step and before ``step``) is refused past what its step could have taken, as a
+    checkpoint's is (:func:`~ampguard.checkpointer.check_reachable_position`, with every rollback
+    the events keep and the largest ``rollback.skip_batches`` of the config, the checkpoint and
+    the events' ``policy_change``): a hand-edited 10**15 was read up to, for ever, on a task that
+    cannot seek."""
     from pathlib import Path
 
+    from .checkpointer import CONFIG, POLICY, check_reachable_position, skip_batches_used
     from .report import LoggedEvents
     from .run_folder import RunPaths
 
@@ -1754,7 +1764,18 @@ def _run_rollbacks(config: Any, checkpoint: str | None, saved: Mapping[str, Any]
                                  f"{step} is not known from the kept events; pass a checkpoint of the kept timeline "
                                  f"(in checkpoints/) saved before step {step}")
             return []
-        return log.kept(lambda event: event.get("event") == "rollback", at_resume=True)
+        rollbacks = log.kept(lambda event: event.get("event") == "rollback", at_resume=True)
+        since = saved["step"] if saved is not None and saved["step"] < step else 0
+        read = [e for e in rollbacks if since < e["step"] < step and whole_number(e.get("data_position"))]
+        if read:  # (the positions replay_position may start from)
+            policy = None if saved is None else saved.get(POLICY)  # (checked where the checkpoint's position is read)
+            changes = [*(policy if isinstance(policy, list) else ()),
+                       *(e for e in log.events() if e.get("event") == "policy_change")]
+            skip = skip_batches_used(config, None if saved is None else saved[CONFIG], changes)
+            for event in read:
+                check_reachable_position(f"{folder / 'events.jsonl'} (the rollback at step {event['step']})",
+                                         event["data_position"], event["step"], len(rollbacks), config, skip)
+        return rollbacks
     return None
 
 

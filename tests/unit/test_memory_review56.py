@@ -92,8 +92,9 @@ def test_load_trained_weights_keeps_only_the_step_the_config_the_scale_and_where
     assert len(read) > len(weights) >= 2  # (the optimizer's moments were read too)
     assert all(torch.equal(model.state_dict()[name], w) for name, w in weights.items())  # the weights went in
     assert saved["step"] == 2 and set(saved["state"]) == {"scaler"}
-    # (and two numbers: the data's position and the run's id, for locate's replay of step N: review 58d)
-    assert set(saved) == {"step", "config", "state", "data_position", "run_id"}
+    # (and two numbers: the data's position and the run's id, for locate's replay of step N: review 58d; the
+    # rollback log's lines, and the policy log where there is one, for the position's bound: session 60d)
+    assert set(saved) == {"step", "config", "state", "data_position", "run_id", "rollbacks"}
     assert isinstance(saved["data_position"], int) and isinstance(saved["run_id"], str)
 
 
