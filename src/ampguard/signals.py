@@ -16,6 +16,7 @@ import codecs
 import contextlib
 import errno
 import io
+import math
 import os
 import signal
 import sys
@@ -25,6 +26,56 @@ from contextlib import contextmanager
 from typing import Any, Protocol, TextIO
 
 from .errors import ExitCode, InputError, failed_because
+
+
+class RanClock:
+    """A clock of the seconds this process ran: :func:`time.monotonic`'s, less the time the process
+    stood still (SIGSTOP ... SIGCONT: Ctrl-Z, a scheduler's suspend, a debugger's stop; and where
+    the monotonic clock counts a machine's sleep, that sleep), through which the monotonic clock
+    goes on. No clock of the OS leaves those out and counts a wait in C (a collective, a GPU's
+    sync) in: the process's CPU time leaves both out. So a thread ticks it (:meth:`tick`) every
+    :data:`STUCK_POLL_S` (:func:`watch_stuck`'s watcher) and a reading counts at most two polls
+    since the last tick: later than that, the ticker did not run either, nor did the process (or
+    one C call held the GIL that long: torch's ops, its collectives and a GPU's sync release it).
+    Untouched by a ticker (none started, or it ended) it counts as :func:`time.monotonic` does.
+    One thread ticks it; any reads it (the tick's state is one tuple, swapped whole).
+
+    Example (times given; the process stopped for an hour between two ticks)::
+
+        >>> now = [100.0]
+        >>> clock = RanClock(lambda: now[0])
+        >>> for t in (100.25, 100.5, 3700.75):
+        ...     now[0] = t
+        ...     _ = clock.tick()
+        >>> clock()  # (0.25 + 0.25 + the two polls the late tick counts)
+        1.0
+        >>> clock.stop()
+        >>> now[0] += 10.0  # (no ticker: every second counts)
+        >>> clock()
+        11.0
+    """
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self.now = now
+        self._at = (0.0, now(), math.inf)  # (seconds ran, at the monotonic time, the most a reading adds)
+
+    def __call__(self) -> float:
+        """The seconds the process ran so far (since the clock was made)."""
+        ran, last, most = self._at
+        return ran + min(self.now() - last, most)
+
+    def tick(self) -> float:
+        """The ticker's look, every :data:`STUCK_POLL_S`: the seconds ran so far (:meth:`__call__`)."""
+        ran, last, most = self._at
+        now = self.now()
+        ran += min(now - last, most)
+        self._at = (ran, now, 2 * STUCK_POLL_S)
+        return ran
+
+    def stop(self) -> None:
+        """The ticker ends: readings count every second from its last tick on."""
+        ran, last, _ = self._at
+        self._at = (ran, last, math.inf)
 
 
 class StopFlag:
@@ -52,6 +103,9 @@ class StopFlag:
         """Set (a count) while the main thread is where :func:`watch_stuck` watches for a stuck
         collective (a run's step and its agreement); elsewhere (a checkpoint's save, an
         evaluation, where a rank waits for the slowest) it is never taken as stuck."""
+        self.ran = RanClock()
+        """The seconds the process ran (:class:`RanClock`), ticked by :func:`watch_stuck`'s watcher
+        while it watches: what a run times its steps by, for the stuck grace."""
 
     def release(self) -> None:
         """End :attr:`holding`; a second signal that waited interrupts now (``KeyboardInterrupt``).
@@ -227,19 +281,23 @@ STUCK_POLL_S = 0.25
 
 @contextmanager
 def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[int], None]) -> Iterator[None]:
-    """While the block runs, a watcher thread waits for a stop signal (SIGINT, SIGTERM), woken by
-    the byte Python's C-level handler writes to its wakeup fd. A main thread stuck in C (a
+    """While the block runs, a watcher thread waits for a stop signal (SIGINT, SIGTERM): the byte
+    Python's C-level handler writes to its wakeup fd, which it looks for every
+    :data:`STUCK_POLL_S`. A main thread stuck in C (a
     collective whose peer hung or died: under NCCL it never returns, under gloo not for its 30
     minutes) runs no Python, so the signal's Python handler never runs and the run cannot stop
     at a step boundary. Once a signal came, if the run has not begun closing (``flag.closing``:
     a run that takes the signal up closes within a step) and the main thread has stayed
     :attr:`StopFlag.watched` with its stack unchanged for ``grace()`` seconds, the watcher calls
     ``on_stuck(signum)`` (the run writes what it can, alone, and leaves; it takes the run over
-    only if the run is still not closing). Those seconds are the ones the process ran: the watcher
-    looks every :data:`STUCK_POLL_S`, and a look that comes later than two of them counts as two
-    (the whole process stood still, its watcher too: SIGSTOP ... SIGCONT, a scheduler's suspend, a
-    debugger's stop; a step it stopped in is not stuck, and a hang still is once it ran the grace).
-    Nothing happens without a signal; outside the main thread nothing is watched.
+    only if the run is still not closing). Those seconds are the ones the process ran
+    (``flag.ran``, a :class:`RanClock` the watcher ticks as it looks, every :data:`STUCK_POLL_S`,
+    signal or none: a look that comes later than two of them counts as two, the whole process
+    stood still, its watcher too: SIGSTOP ... SIGCONT, a scheduler's suspend, a debugger's stop; a
+    step it stopped in is not stuck, and a hang still is once it ran the grace). The run times its
+    steps by that clock too, so the grace it gives is not made of such stops either. Nothing but
+    the clock's ticks happens without a signal; outside the main thread nothing is watched (nor
+    ticked).
 
     Example (no signal: the watcher only waits)::
 
@@ -255,6 +313,7 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
     read, write = os.pipe()
     try:
         os.set_blocking(write, False)
+        os.set_blocking(read, False)  # (the watcher looks for the signal's byte at each tick)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     # (a thread of the interpreter's own, or no signals at all; AttributeError, OSError: an OS whose
     # Python cannot make a pipe non-blocking or wake on one, Windows before Python 3.12)
@@ -275,32 +334,32 @@ def watch_stuck(flag: StopFlag, grace: Callable[[], float], on_stuck: Callable[[
         return tuple(stack)
 
     def watch() -> None:
-        signum = None
-        while signum is None and not done.is_set():  # (the block's end writes a byte to wake it)
-            signum = next((b for b in os.read(read, 512) if b in STOP_SIGNALS), None)
-        if signum is None:
-            return
-        at, still, last = where(), 0.0, time.monotonic()
-        while not done.wait(STUCK_POLL_S) and not flag.closing:
-            now, here = time.monotonic(), where()
-            # (a poll that comes late is time this thread did not run either: the process stopped,
-            # SIGSTOP ... SIGCONT, a scheduler's suspend, a debugger; it counts as two polls at most)
-            still, last = still + min(now - last, 2 * STUCK_POLL_S), now
-            if here != at or not flag.watched:
-                at, still = here, 0.0
-            elif still >= grace():
-                on_stuck(signum)
+        clock, signum = flag.ran, None
+        try:
+            while signum is None and not done.wait(STUCK_POLL_S):
+                clock.tick()
+                with contextlib.suppress(BlockingIOError):  # (none came since the last look)
+                    signum = next((b for b in os.read(read, 512) if b in STOP_SIGNALS), None)
+            if signum is None:
                 return
+            at, since = where(), clock.tick()
+            while not done.wait(STUCK_POLL_S) and not flag.closing:
+                ran, here = clock.tick(), where()
+                if here != at or not flag.watched:
+                    at, since = here, ran
+                elif ran - since >= grace():
+                    on_stuck(signum)
+                    return
+        finally:
+            clock.stop()
 
     watcher = threading.Thread(target=watch, name="ampguard-stuck-watch", daemon=True)
     try:
         watcher.start()
         yield
     finally:
-        done.set()
+        done.set()  # (wakes the watcher from its wait)
         signal.set_wakeup_fd(previous)
-        with contextlib.suppress(OSError):
-            os.write(write, b"\0")  # (wakes the watcher from its read: it sees done)
         if watcher.is_alive():
             watcher.join()
         os.close(read)

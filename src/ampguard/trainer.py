@@ -16,7 +16,6 @@ import os
 import secrets
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -146,7 +145,9 @@ class Trainer:
         self.take_back = take_back  # undoes what outputs() made: a stop while opening ended the process
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
         self._group_rng: Any = None  # the RNG states where the open accumulation group began
-        self._slowest = (0.0, 0.0)  # the two slowest steps so far (s, their agreement in): _slow_step()
+        # the first step's time and the slowest since (the seconds the process ran, its agreement in): _timed()
+        self._first_step_s: float | None = None
+        self._slowest = 0.0
         self._handoff = threading.Lock()  # who closes the run: the main thread, or the stuck-watcher (_stuck)
         self._taken_over = False  # the stuck-watcher closes this rank and ends the process
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
@@ -463,7 +464,7 @@ class Trainer:
         # save nor an evaluation, where a rank waits for the slowest as long as that takes
         watched = Watched(stop) if self.dist.active else contextlib.nullcontext()
         while self.state.steps < self.config.steps:
-            began = time.monotonic()
+            began = stop.ran()  # (the seconds the process ran: a suspension mid-step is no slow step)
             with self.watching(), watched:
                 if self._share_each_step:
                     self.share_buffers()  # type: ignore[misc]
@@ -472,8 +473,7 @@ class Trainer:
                 except BadBatch as bad:  # the steps before it stand: their records, the run card
                     self._back_to_the_group_start()
                     return Stop(ExitCode.BAD_INPUT, f"bad data at step {self.state.steps + 1}: {bad}", BAD_DATA)
-            _, second, slowest = sorted((*self._slowest, time.monotonic() - began))  # (the two slowest: _slow_step)
-            self._slowest = (second, slowest)
+            self._timed(stop.ran() - began)
             self.throughput.steady()  # the run card's throughput counts from the end of the first step
             if self.state.steps >= self.config.steps:
                 self.throughput.ended()  # ... to the end of the last (not its evaluation, the final save)
@@ -834,14 +834,28 @@ class Trainer:
 
         return f" ({in_float8(self.fp8_layers)})"
 
+    def _timed(self, seconds: float) -> None:
+        """A step took ``seconds`` of the process's running time: for :meth:`_slow_step`."""
+        if self._first_step_s is None:
+            self._first_step_s = seconds
+        else:
+            self._slowest = max(self._slowest, seconds)
+
     def _slow_step(self) -> float:
-        """How long a slow step of this run takes (s): the second slowest so far (the slowest while
-        one step alone is timed; 0 before), so that one step alone does not set it for the rest of
-        the run: one the process was stopped in (SIGSTOP ... SIGCONT, a scheduler's suspend, a
-        debugger's stop: the monotonic clock goes on) would have made the stuck grace hours long. A
-        slowness that comes again (a data loader starting its workers each epoch) counts."""
-        second, slowest = self._slowest
-        return second or slowest
+        """How long a slow step of this run takes (s): the slowest after this process's first
+        (that one while it alone is timed; 0 before), in the seconds the process ran
+        (:attr:`StopFlag.ran <ampguard.signals.StopFlag.ran>`, ticked by the stuck-watcher under
+        torchrun). A step the process was stopped in (SIGSTOP ... SIGCONT, a scheduler's suspend,
+        a debugger's stop: the monotonic clock goes on) counts the time it ran, however many there
+        are (the second slowest step, taken so that one such step did not make the stuck grace
+        hours long, was a second one's; session 60d); a step that is slow once (a recompile, a data
+        loader starting its workers) counts from then on (it did not until it came twice: the
+        next one was given 10 s). The first step (a compile, a warm-up) counts only until a second
+        is timed: three compiles' grace would leave a rank a dead peer hung to the SIGKILL that
+        follows the launcher's SIGTERM (torchrun's, 30 s later). Without the watcher (one process,
+        where nothing reads this; a Python that cannot wake on a pipe) the clock is the monotonic
+        one."""
+        return self._slowest or self._first_step_s or 0.0
 
     def _stuck_grace(self) -> float:
         """How long the main thread may stay where it is in a step after a stop signal before it

@@ -207,3 +207,25 @@ def test_the_time_a_stopped_process_stood_still_is_not_counted_as_stuck_and_a_ha
     finally:
         child.kill()
         child.wait()
+
+
+# ---------------------------------------------------------------------------- the run's clock (session 60d)
+# The run timed its steps by the monotonic clock, which goes on while the process is stopped: a
+# step it was stopped in was a slow step, and two of them set the stuck grace (3 x the second
+# slowest) for the rest of the run. The watcher now ticks the flag's clock (RanClock), which
+# counts two polls at most for a stop, whatever the number of stops; fed times here.
+
+
+def test_the_watcher_ticks_the_runs_clock_which_leaves_out_the_time_the_process_stood_still():
+    fired, stood_still = [], [0.0]
+    with stop_on_signals() as stop, watch_stuck(stop, lambda: 1.0, fired.append):
+        stop.ran.now = lambda: time.monotonic() + stood_still[0]
+        time.sleep(0.6)  # (the watcher looks, and ticks, every STUCK_POLL_S)
+        for _ in range(2):  # two stops of an hour: the monotonic clock went on, nothing ticked through them
+            began = stop.ran()
+            stood_still[0] += 3600.0
+            assert stop.ran() - began <= 2 * signals.STUCK_POLL_S
+        assert fired == []
+    began = stop.ran()  # without the watcher (the block over) every second counts
+    stood_still[0] += 3600.0
+    assert stop.ran() - began >= 3600.0
