@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
 
@@ -113,15 +114,18 @@ class Evaluator:
 
 
 def metric_number(name: object, value: object) -> float:
-    """A metric ``evaluate()`` returned, as a float; one that is no number is one
-    :class:`~ampguard.errors.InputError` line naming it and its type (at start-up and mid-run
-    alike: a traceback from ``float()`` otherwise). A one-element tensor is a number; a string,
-    even ``"0.5"``, is not.
+    """A metric ``evaluate()`` returned, as a float, or an ``int`` for an integer (a Python or
+    NumPy int, an integer tensor: tokens seen, an epoch; the CSV writes its digits, exact); one
+    that is no number is one :class:`~ampguard.errors.InputError` line naming it and its type (at
+    start-up and mid-run alike: a traceback from ``float()`` otherwise). A one-element tensor is a
+    number; a string, even ``"0.5"``, is not; a bool is 1.0 or 0.0.
 
     Example::
 
-        >>> metric_number("val_loss", torch.tensor(0.25)), metric_number("val_acc", 1)
-        (0.25, 1.0)
+        >>> metric_number("val_loss", torch.tensor(0.25)), metric_number("val_acc", 1.0), metric_number("tokens", 2**60)
+        (0.25, 1.0, 1152921504606846976)
+        >>> metric_number("epoch", torch.tensor(3)), metric_number("done", True)
+        (3, 1.0)
         >>> metric_number("val_loss", "abc")
         Traceback (most recent call last):
         ...
@@ -134,9 +138,11 @@ def metric_number(name: object, value: object) -> float:
     said = visible(shortened(repr(name), 60)) if isinstance(name, str) else f"named by a {type(name).__name__}"
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_complex():
-            return float(value)
+            return value.item() if not value.dtype.is_floating_point and value.dtype != torch.bool else float(value)
         raise InputError(f"task.factory: evaluate() returned a Tensor of shape {tuple(value.shape)} for metric "
                          f"{said}, not a number (one value: .item() or .mean())")
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # (NumPy's integers too)
+        return int(value)
     if not isinstance(value, (str, bytes, bytearray, complex)):
         try:
             return float(value)  # type: ignore[arg-type]

@@ -6,8 +6,10 @@ calls :meth:`StepRecord.values`, which copies every tensor field to the host in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import numbers
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -459,6 +461,32 @@ def format_number(x: float | None) -> str:
         ('0.1', '3.0', '-inf', '')
     """
     return "" if x is None else repr(float(x))  # (repr gives nan, inf and -inf as they are)
+
+
+def format_value(x: Any) -> str:
+    """An extra column's number as the CSV writes it: an integer (a Python ``int``, a NumPy
+    integer, a one-element integer tensor: a host read, as ``float()``'s) as its digits, exact at
+    any size (``float`` was exact only to 2**53: 2**60 + 1 came back 2**60); anything else, a bool
+    among them (``1.0``/``0.0``, as always), as :func:`format_number` writes it, its text unchanged.
+
+    Example::
+
+        >>> import numpy as np
+        >>> [format_value(v) for v in (1024, 2**60 + 1, np.int64(-3), torch.tensor(7), torch.tensor([5]))]
+        ['1024', '1152921504606846977', '-3', '7', '5']
+        >>> [format_value(v) for v in (0.1, 3.0, torch.tensor(0.25), True, np.bool_(False), torch.tensor(True), None)]
+        ['0.1', '3.0', '0.25', '1.0', '0.0', '1.0', '']
+    """
+    if type(x) is float or x is None or isinstance(x, bool):  # (the common case first: a float's text as before)
+        return format_number(x)
+    if isinstance(x, numbers.Integral):  # (int and NumPy's integers; NumPy's bool is none)
+        return str(int(x))
+    if callable(getattr(x, "item", None)):  # (a tensor or a NumPy value: read once)
+        with contextlib.suppress(ValueError, RuntimeError):  # (several values: format_number refuses, as before)
+            x = x.item()
+        if type(x) is int:
+            return str(x)
+    return format_number(x)
 
 
 def strict_json(value: Any) -> Any:

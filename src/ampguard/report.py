@@ -295,7 +295,7 @@ def value_notes(csv_path: Path, rows: list[Row], extra: Sequence[Mapping[str, st
         steps.csv has 1 row with a learning rate below 0 or not finite (step 2: -5.0): read as written
         steps.csv has 1 row with an infinite loss scale, which ampguard's scaler never grows to (step 2): read as written
         steps.csv has 1 applied step whose post-clip norm is above the max_norm it ran under (step 2: 2.0 > 1): read as written
-        steps.csv has 1 row whose val_accuracy is outside [0, 1] (step 2: 70.0; a percentage?): read as written
+        steps.csv has 1 row whose val_accuracy is outside [0, 1] (step 2: 70; a percentage?): read as written
     """
     def said(found: list[tuple[int, str]], noun: str, what: str, hint: str = "") -> list[str]:
         if not found:

@@ -17,6 +17,7 @@ import json
 import math
 import numbers
 import os
+import re
 import stat
 import sys
 import threading
@@ -32,7 +33,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkabl
 from .errors import (AmpguardWarning, InputError, brief, counted, failed_because, first_line, has_control, plain_digits,
                      shortened, shown, whole_number)
 from .files import DiskFull, disk_full_error, is_temporary, open_to_append, replace_atomically, writing
-from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, record_from, strict_json
+from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, format_value, record_from, strict_json
 
 if TYPE_CHECKING:  # (this module imports neither at run time: the CLI starts without them)
     import numpy
@@ -261,15 +262,34 @@ def csv_number(text: str, column: str, where: str) -> float | None:
 
 def metric_values(cells: Mapping[str, str], where: str) -> dict[str, float]:
     """A row's cells after the fixed eight (:func:`read_steps_and_columns`' ``extra``) as numbers,
-    by column: the held-out metrics, the optimizer labels and empty cells left out.
+    by column: the held-out metrics, the optimizer labels and empty cells left out. A cell of
+    digits alone (an integer extra, :func:`~ampguard.records.format_value`) is an ``int``, exact
+    at any size; any other a float, as :func:`csv_number` reads it (``1024.0``, an older run's).
 
     Example::
 
         >>> metric_values({"val_loss": "0.5", "val_accuracy": "", "skipped_optimizers": "D"}, "line 2")
         {'val_loss': 0.5}
+        >>> metric_values({"tokens": "1152921504606846977", "epoch": "-3", "old": "1024.0"}, "line 2")
+        {'tokens': 1152921504606846977, 'epoch': -3, 'old': 1024.0}
     """
     return {name: value for name, cell in cells.items()
-            if name not in LABEL_COLUMNS and (value := csv_number(cell, name, where)) is not None}
+            if name not in LABEL_COLUMNS and (value := extra_number(cell, name, where)) is not None}
+
+
+_WHOLE = re.compile(r"[-+]?[0-9]+")
+
+
+def extra_number(text: str, column: str, where: str) -> float | None:
+    """:func:`csv_number` of an extra column's cell, an integer's digits read as the ``int`` they
+    write (``float()`` rounded past 2**53).
+
+    Example::
+
+        >>> extra_number("9007199254740993", "tokens", "line 2"), extra_number("0.5", "val_loss", "line 2")
+        (9007199254740993, 0.5)
+    """
+    return int(text) if _WHOLE.fullmatch(text) else csv_number(text, column, where)
 
 
 def read_steps_csv(path: str | Path) -> list[Row]:
@@ -636,8 +656,9 @@ def step_follows(step: Any, last: int | None) -> bool:
 
 
 def _cell(value: float | str | None) -> str:
-    """An extra column's cell: text as it is, a number via :func:`format_number` (None: empty)."""
-    return value if isinstance(value, str) else format_number(value)
+    """An extra column's cell: text as it is, a number via :func:`format_value` (an integer's
+    digits, a float as :func:`format_number` writes it; None: empty)."""
+    return value if isinstance(value, str) else format_value(value)
 
 
 def _cells(record: StepRecord) -> list[str]:
@@ -1178,7 +1199,7 @@ class CsvSink(_LineFile):
         else:  # numbers, empty cells and the reasons' identifiers: nothing the csv module would quote (review 54o:
             # a trainer's step without metrics went through csv.writer for its empty metric cells, ~2 us a row)
             if self._extra:
-                row += [format_number(extra.get(k)) for k in self._extra] if extra else [""] * len(self._extra)
+                row += [format_value(extra.get(k)) for k in self._extra] if extra else [""] * len(self._extra)
             self._write_line(",".join(row) + "\n")
         self.rows += 1
         self._last = record.step
@@ -1773,19 +1794,22 @@ def require(package: str, flag: str) -> None:
 
 def metric_number(value: object) -> float | None:
     """An extra value as a tracker's (and TensorBoard's) number: an int or a float, a numpy number, a one-element
-    tensor (read from the device: a host sync), as the CSV writes them; ``None`` for anything else
-    (text, a bool, a missing value), which the CSV may hold and a tracker's metrics cannot.
+    tensor (read from the device: a host sync), as the CSV writes them (an integer an ``int``,
+    exact, :func:`~ampguard.records.format_value`); ``None`` for anything else (text, a bool, a
+    missing value), which the CSV may hold and a tracker's metrics cannot.
 
     Example::
 
         >>> import numpy as np, torch
-        >>> [metric_number(v) for v in (2, np.float32(0.5), torch.tensor([0.25]), True, "warm-up", None)]
-        [2.0, 0.5, 0.25, None, None, None]
+        >>> [metric_number(v) for v in (2, np.float32(0.5), torch.tensor([0.25]), np.int64(3), True, "warm-up", None)]
+        [2, 0.5, 0.25, 3, None, None, None]
     """
     import torch
 
-    if isinstance(value, torch.Tensor):
-        return float(value) if value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool else None
+    if isinstance(value, torch.Tensor):  # (item(): an int tensor's int, a float tensor's float)
+        return value.item() if value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool else None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # (numpy's integers too)
+        return int(value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):  # (numpy's bool is no Real)
         return float(value)
     return None

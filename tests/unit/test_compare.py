@@ -367,7 +367,7 @@ def test_compare_and_report_note_values_a_run_can_hold_but_no_guard_writes(tmp_p
                 "to (step 3): read as written",
                 f"note: {odd / 'steps.csv'} has 2 applied steps whose post-clip norm is above the max_norm it ran "
                 "under (step 4: 3.0 > 1, the first of 2): read as written",
-                f"note: {odd / 'steps.csv'} has 1 row whose val_accuracy is outside [0, 1] (step 5: 70.0; a "
+                f"note: {odd / 'steps.csv'} has 1 row whose val_accuracy is outside [0, 1] (step 5: 70; a "
                 "percentage?): read as written"]
     assert compare.run([odd, plain]) == 0
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")] == expected

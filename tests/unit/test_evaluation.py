@@ -201,3 +201,14 @@ def test_check_refuses_values_that_are_not_numbers():
     with pytest.raises(InputError) as err:
         evaluator(task).check()
     assert one_line(err) == "task.factory: evaluate() returned a str for metric 'val_loss' ('low'), not a number"
+
+
+def test_an_integer_metric_stays_an_int_for_the_csv_to_write_exactly():
+    # evaluate()'s tokens seen or epoch was made a float (1024.0 in steps.csv, 2**60 + 1 rounded)
+    import numpy as np
+
+    from ampguard.evaluation import metric_number
+
+    got = [metric_number("m", v) for v in (2**60 + 1, np.int64(-3), torch.tensor(7), 0.5, torch.tensor(0.25), True)]
+    assert got == [2**60 + 1, -3, 7, 0.5, 0.25, 1.0]
+    assert [type(v) for v in got] == [int, int, int, float, float, float]

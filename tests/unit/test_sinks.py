@@ -727,3 +727,31 @@ def test_rows_that_end_early_name_the_line_past_them_that_is_not_the_next_step(t
     path.write_text(header + "\n" + "\n".join(rows[:4]) + "\n", encoding="utf-8")  # (the tail lost: no line named)
     with pytest.raises(InputError, match=r"its rows end at step 4, the checkpoint"):
         CsvSink.kept_rows(path, len(CSV_COLUMNS), 6, first=1)
+
+
+def test_an_integer_extra_is_written_as_its_digits_and_read_back_exactly(tmp_path):
+    # an int extra (tokens seen, an epoch) was written as a float, 1024.0, exact only to 2**53:
+    # 2**60 + 1 came back 2**60; a float's text, a bool's and a missing value's are as they were
+    import numpy as np
+
+    from ampguard.sinks import metric_number, metric_values, read_steps_and_columns
+
+    path = tmp_path / "steps.csv"
+    names = ["tokens", "epoch", "np_count", "t_count", "val_loss", "t_loss", "flag", "gone", "phase"]
+    sink = CsvSink(path, extra_columns=names)
+    ints = {"tokens": 2**60 + 1, "epoch": 1024, "np_count": np.int64(-3), "t_count": torch.tensor(7)}
+    floats = {"val_loss": 0.1, "t_loss": torch.tensor(0.25), "flag": True, "gone": None}
+    sink.write(applied(1), {**ints, **floats})  # numbers only (the join without the csv module)
+    sink.write(applied(2), {**ints, **floats, "phase": "warm-up"})  # with text (through the csv module)
+    sink.close()
+    rows = read_rows(path)
+    for row in rows:
+        assert [row[k] for k in names[:8]] == ["1152921504606846977", "1024", "-3", "7", "0.1", "0.25", "1.0", ""]
+    assert csv_row(applied(1), ints)["tokens"] == "1152921504606846977"
+    _, extra = read_steps_and_columns(path)
+    back = metric_values(extra[0], "line 2")
+    assert back == {"tokens": 2**60 + 1, "epoch": 1024, "np_count": -3, "t_count": 7, "val_loss": 0.1,
+                    "t_loss": 0.25, "flag": 1.0}
+    assert [type(back[k]) for k in ("tokens", "val_loss")] == [int, float]
+    assert metric_values({"old": "1024.0"}, "line 2") == {"old": 1024.0}  # (an older run's text reads as before)
+    assert [metric_number(v) for v in (2**60 + 1, np.int64(3), torch.tensor(5))] == [2**60 + 1, 3, 5]
