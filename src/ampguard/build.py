@@ -13,7 +13,6 @@ import contextlib
 import copy
 import importlib.util
 import inspect
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 
 from .clipping import clip_threshold
 from .config import Config
-from .errors import AmpguardWarning, InputError, counted, first_line, listed, user_code
+from .errors import AmpguardWarning, InputError, counted, first_line, listed, user_code, warn
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, HeadroomCsv, check_headroom_rows
 from .integrations.trackers import build_trackers, end_trackers
 from .monitor import LossSpikeDetector, RunMonitor
@@ -531,10 +530,10 @@ def _made_as_checked(model: nn.Module, firsts: dict[str, Any], who: str, said: b
             made.append(f"{name} ({type(module).__name__})")
             module._infer_parameters(module, args, kwargs)  # type: ignore[operator]
     if made and said:
-        warnings.warn(f"{who}: the model's lazy modules {listed(made)} made "
-                      "their weights at start-up, drawn from torch's RNG there, not at the first step's forward as a "
-                      "plain loop draws them: the run is not bit for bit such a loop; run one batch through the model "
-                      "in the factory to make them there", AmpguardWarning, stacklevel=3)
+        warn(f"{who}: the model's lazy modules {listed(made)} made "
+             "their weights at start-up, drawn from torch's RNG there, not at the first step's forward as a "
+             "plain loop draws them: the run is not bit for bit such a loop; run one batch through the model "
+             "in the factory to make them there", AmpguardWarning, stacklevel=3)
 
 
 _NTH = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
@@ -668,8 +667,8 @@ def _cut_back_logs_off(config: Config, paths: RunPaths, keep_through: int | None
             how(path)
         except InputError as err:
             why = first_line(str(err)).removeprefix(f"{path}: ")
-            warnings.warn(f"{path} is left as it is ({why}): any steps after {keep_through} in it are the abandoned "
-                          "run's", AmpguardWarning, stacklevel=2)
+            warn(f"{path} is left as it is ({why}): any steps after {keep_through} in it are the abandoned "
+                 "run's", AmpguardWarning, stacklevel=2)
 
     def purge(log_dir: Path) -> None:
         if log_dir.is_dir() and any(log_dir.glob("events.out.tfevents.*")):

@@ -39,7 +39,6 @@ import inspect
 import math
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +52,8 @@ from . import distributed
 from .config import (MAX_DEPTH, PRESETS, Config, ConfigError, TaskConfig, as_it_ran, flat_keys, is_plain, plain_data,
                      read_file, yaml_spelled)
 from .config import validate as config_of
-from .errors import AmpguardWarning, InputError, brief, counted, first_line, real_number, shortened, shown, whole_number
+from .errors import (AmpguardWarning, InputError, brief, counted, first_line, real_number, shortened, shown, warn,
+                     whole_number)
 from .files import DiskFull, writing
 from .precision import finite_number, uses_loss_scaler
 from .run_folder import RUN_ID_PATTERN, RunPaths
@@ -1694,9 +1694,9 @@ def check_task_settings(payload: Mapping[str, Any], now: Mapping[str, Any], path
         changed = changed_setting({"task": saved}, {"task": now}, "task.options")
         if changed:
             key, was, this = changed
-            warnings.warn(f"{path}: it was trained with {key} {_value(was)}, this config's is {_value(this)}: "
-                          "loaded under this config's (a factory's own setting; if it makes the model, pass that "
-                          "run's config.yaml)", AmpguardWarning, stacklevel=2)
+            warn(f"{path}: it was trained with {key} {_value(was)}, this config's is {_value(this)}: "
+                 "loaded under this config's (a factory's own setting; if it makes the model, pass that "
+                 "run's config.yaml)", AmpguardWarning, stacklevel=2)
 
 
 def load_trained_weights(model: nn.Module, path: str | os.PathLike, config: Config, map_location: Any = "cpu",
@@ -1920,9 +1920,9 @@ def check_same_configs(configs: Sequence[dict[str, Any]]) -> None:
     for rank, theirs in enumerate(options[1:], start=1):  # (a node's own data path: allowed, but said)
         key = _first_difference(options[0], theirs)
         if key is not None:
-            warnings.warn(f"task.options.{key} is {_short(options[0].get(key))} on rank 0, {_short(theirs.get(key))} "
-                          f"on rank {rank}: the run goes on (a node's own data path); a setting there that changes "
-                          "the training would let the replicas drift apart", AmpguardWarning, stacklevel=2)
+            warn(f"task.options.{key} is {_short(options[0].get(key))} on rank 0, {_short(theirs.get(key))} "
+                 f"on rank {rank}: the run goes on (a node's own data path); a setting there that changes "
+                 "the training would let the replicas drift apart", AmpguardWarning, stacklevel=2)
             break
 
 

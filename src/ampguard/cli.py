@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from .errors import (
     MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, failed_because,
-    has_control, interrupt_in, one_line, plain_digits, shortened, shown,
+    has_control, interrupt_in, one_line, plain_digits, shortened, shown, warn,
 )
 
 
@@ -430,7 +430,7 @@ def _config_from(
         raise
     only = None if saved is None else [item.partition("=")[0].strip() for item in args.set or []]
     for line in ignored_settings(config, verb, only) if verb else ():
-        warnings.warn(line, AmpguardWarning, stacklevel=2)
+        warn(line, AmpguardWarning, stacklevel=2)
     return config
 
 
@@ -722,9 +722,9 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
 
     fp16 or fp8 on a CPU is emulated: worth one line on stderr, not Python's two-line warning
     with a source line (``quiet``: none, the other ampguard warnings still one line each). Other
-    warnings are shown as Python shows them. Under torchrun only rank 0 shows ampguard's (every
-    rank runs the same config on the same global stream, so each said it once per rank), as
-    Lightning's ``rank_zero_warn``; errors are every rank's own. A warning shown while a progress
+    warnings are shown as Python shows them. Under torchrun which rank says one was decided as it
+    was raised (:func:`~ampguard.errors.warn`: rank 0 one about the run as a whole, each rank its
+    own state's, labelled); errors are every rank's own. A warning shown while a progress
     bar is live is written clear of it (:func:`~ampguard.signals.clear_of_bars`). Those held back
     are written as stdout's first line is, inside the bar's own clearing (``tqdm.write``): plainly.
 
@@ -754,16 +754,11 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
         console.before_write = held.release
     shown = warnings.showwarning
 
-    # (torchrun's; as text: a bad one is refused later, in one line)
-    another_rank = os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1") and \
-        os.environ.get("RANK", "0").strip() not in ("", "0")
-
     def show(message, category, filename, lineno, file=None, line=None):
         # (a warning mid-run stuck to a live progress bar on a terminal: review 56b)
         with clear_of_bars(file if file is not None else sys.stderr):
             if issubclass(category, AmpguardWarning):  # (SlowPrecisionWarning among them)
-                if not another_rank:
-                    held.say(f"ampguard: warning: {message}")
+                held.say(f"ampguard: warning: {message}")
             else:
                 shown(message, category, filename, lineno, file, line)
 

@@ -167,7 +167,87 @@ class InputError(Exception):
 
 class AmpguardWarning(UserWarning):
     """Something worth one line before a run goes on, ``ampguard: warning: ...`` on stderr
-    (``ampguard.cli`` shows it so; in a program of yours, a Python warning)."""
+    (``ampguard.cli`` shows it so; in a program of yours, a Python warning). One about the run as
+    a whole (its config, the settings given, the loop's code: the same on every rank) is said
+    once under torchrun, by rank 0 (:func:`warn`)."""
+
+
+class RankWarning(AmpguardWarning):
+    """An :class:`AmpguardWarning` about this process's own state, which another rank's may not
+    share (the data its factory built, the model's mode, its evaluation, an error it met, the
+    sinks it was given): under torchrun each rank that sees it says it, beginning ``rank N: ``
+    (:func:`warn`)."""
+
+
+def process_rank() -> tuple[int, int]:
+    """``(rank, world size)`` of this process: the process group's once one is joined (torchrun's
+    or a launcher's own), else torchrun's ``RANK`` and ``WORLD_SIZE`` (set before any group is);
+    ``(0, 1)`` in a world of one. The one place ampguard's warnings learn the rank
+    (:func:`warn`); torch is not imported for it.
+
+    Example::
+
+        >>> import unittest.mock
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+        ...     process_rank()
+        (1, 2)
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "3"}):
+        ...     process_rank()
+        (0, 1)
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return (int(os.environ.get("RANK", "0")), world) if world > 1 else (0, 1)
+    except ValueError:  # (torchrun's variables, spoilt: refused in one line where a run starts)
+        return 0, 1
+
+
+def said_here(message: str | Warning, category: type[Warning]) -> str | Warning | None:
+    """``message`` as this process says it, or ``None`` where another says it. In a world of
+    several: an :class:`AmpguardWarning` about the run as a whole on rank 0 alone (every rank
+    would say the same line: rank 1's copy doubled the console), a :class:`RankWarning` on the
+    rank that sees it, beginning ``rank N: ``; any other warning as it is.
+
+    Example::
+
+        >>> import unittest.mock
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+        ...     said_here("steps 3 < warmup 5", AmpguardWarning), str(said_here("its data...", RankWarning))
+        (None, 'rank 1: its data...')
+    """
+    if not issubclass(category, AmpguardWarning):
+        return message
+    rank, world = process_rank()
+    if world == 1:
+        return message
+    if issubclass(category, RankWarning):
+        return category(f"rank {rank}: {message}")
+    return message if rank == 0 else None
+
+
+def warn(message: str | Warning, category: type[Warning] = AmpguardWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn(message, category, stacklevel)``, as ampguard says its warnings under torchrun
+    (:func:`said_here`: a warning about the run as a whole by rank 0 alone, one about a rank's own
+    state by that rank, labelled); outside torchrun, just that. A ``Warning`` given as ``message``
+    is of its own category.
+
+    Example::
+
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("always")
+        ...     warn("schedule.warmup 100 > steps 3")
+        >>> [(str(w.message), w.category.__name__) for w in said]
+        [('schedule.warmup 100 > steps 3', 'AmpguardWarning')]
+    """
+    if isinstance(message, Warning):
+        category = type(message)
+    said = said_here(message, category)
+    if said is not None:
+        warnings.warn(said, category, stacklevel + 1)
 
 
 def user_stacklevel() -> int:
@@ -231,6 +311,9 @@ def warn_each_time(message: str | Warning, category: type[Warning] = UserWarning
         >>> [str(w.message) for w in said]
         ['ALERT at step 3', 'ALERT at step 3']
     """
+    message = said_here(message, type(message) if isinstance(message, Warning) else category)
+    if message is None:  # (under torchrun, rank 0's to say: :func:`warn`)
+        return
     frame = sys._getframe(1)
     for _ in range(stacklevel - 1):  # (as warnings.warn's stacklevel: 1 is the line that calls this)
         if frame.f_back is None:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Mapping
 
 import torch
 
 from . import distributed
 from .config import Config
-from .errors import AmpguardWarning, InputError, shortened, user_code, visible
+from .errors import InputError, RankWarning, shortened, user_code, visible, warn
 from .precision import Precision
 from .tasks import Task
 from .untouched import modes_kept, rng_kept
@@ -56,9 +55,9 @@ class Evaluator:
         if extra:
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"task.factory: evaluate() returned {extra}, not among its declared metrics "
-                              f"{list(self.metrics)}: left out (the CSV has no column for them)", AmpguardWarning,
-                              stacklevel=2)
+                warn(f"task.factory: evaluate() returned {extra}, not among its declared metrics "
+                     f"{list(self.metrics)}: left out (the CSV has no column for them)", RankWarning,
+                     stacklevel=2)
             metrics = {name: value for name, value in metrics.items() if name in self.metrics}
         return agreed(metrics)
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .errors import AmpguardWarning, InputError, brief, counted, user_code, whole_number
+from .errors import AmpguardWarning, InputError, brief, counted, user_code, whole_number, warn
 from .precision import DEFAULT_MIN_SCALE, MAX_SCALE, Precision, finite_number, fp32_forward, round_float32
 
 
@@ -1627,10 +1627,10 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
         start = replay_position(step, n, saved=None if saved is None else (saved["step"], saved[DATA]),
                                 rollbacks=rollbacks)
         if rollbacks is None and config.rollback.triggers:
-            warnings.warn(f"locate: no events.jsonl of the run found (beside the checkpoint, nor in log.dir/log.name): "
-                          f"step {step} is replayed on the batches at position {start}, as if no rollback had moved "
-                          "the data on (pass the run's config.yaml, or a checkpoint in its run folder)",
-                          AmpguardWarning, stacklevel=2)
+            warn(f"locate: no events.jsonl of the run found (beside the checkpoint, nor in log.dir/log.name): "
+                 f"step {step} is replayed on the batches at position {start}, as if no rollback had moved "
+                 "the data on (pass the run's config.yaml, or a checkpoint in its run folder)",
+                 AmpguardWarning, stacklevel=2)
         stream = injector.wrap_data(task.stream(start), first_step=step)  # seeks: no reading up to it
         batches = list(itertools.islice(stream, n))
     scaler_on = config.scaler_on  # else no saved scale applies

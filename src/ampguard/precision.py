@@ -14,7 +14,6 @@ import contextlib
 import math
 import struct
 import sys
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -24,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .errors import AmpguardWarning, brief, listed, real_number, user_stacklevel, whole_number
+from .errors import AmpguardWarning, brief, listed, real_number, user_stacklevel, whole_number, warn
 
 PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
@@ -1110,10 +1109,10 @@ class Precision:
         if half_trained and say_half:  # (fp32: pure half precision is the user's choice: said)
             kind = str(param.dtype).removeprefix("torch.")
             mixed = "bf16" if param.dtype == torch.bfloat16 else "fp16"
-            warnings.warn(f"parameter {name!r} is {kind} under precision {self.name}: the guard trains the weights "
-                          f"as they are, pure {kind} (no autocast, no loss scaler: small gradients flush to zero in "
-                          f"float16; updates rounded to {kind}), and its records say {self.name}; mixed precision is "
-                          f"float32 weights with precision {mixed}", HalfWeightsWarning, stacklevel=user_stacklevel())
+            warn(f"parameter {name!r} is {kind} under precision {self.name}: the guard trains the weights "
+                 f"as they are, pure {kind} (no autocast, no loss scaler: small gradients flush to zero in "
+                 f"float16; updates rounded to {kind}), and its records say {self.name}; mixed precision is "
+                 f"float32 weights with precision {mixed}", HalfWeightsWarning, stacklevel=user_stacklevel())
         if self.uses_scaler:  # (PyTorch's unscale kernel has no complex version: a NotImplementedError mid-step)
             name = next((n for n, p in model.named_parameters() if p.is_complex() and p.requires_grad), None)
             if name is not None:
@@ -1137,7 +1136,7 @@ class Precision:
         if not supported:
             raise ValueError(note)
         if note is not None:  # emulated: it runs, slowly
-            warnings.warn(note, SlowPrecisionWarning, stacklevel=user_stacklevel())
+            warn(note, SlowPrecisionWarning, stacklevel=user_stacklevel())
         return half_trained
 
     def make_scaler(
@@ -1232,11 +1231,11 @@ def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
     Precision(precision, "cpu").make_scaler(**settings)  # (the values' ranges; enabled=True without a scaler)
     ignored = [key for key in settings if key != "enabled"]
     if ignored and not uses_loss_scaler(precision):
-        warnings.warn(f"precision {precision} uses no loss scaler: scaler settings {', '.join(ignored)} ignored",
-                      AmpguardWarning, stacklevel=user_stacklevel())
+        warn(f"precision {precision} uses no loss scaler: scaler settings {', '.join(ignored)} ignored",
+             AmpguardWarning, stacklevel=user_stacklevel())
     elif ignored and settings.get("enabled") is False:  # (review 53j: said by the CLI, not by the library)
-        warnings.warn(f"the loss scaler is off (enabled: False): scaler settings {', '.join(ignored)} ignored",
-                      AmpguardWarning, stacklevel=user_stacklevel())
+        warn(f"the loss scaler is off (enabled: False): scaler settings {', '.join(ignored)} ignored",
+             AmpguardWarning, stacklevel=user_stacklevel())
 
 
 GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")

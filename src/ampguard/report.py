@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .build import build_monitor
 from .clipping import clip_threshold
 from .errors import (AmpguardWarning, ExitCode, InputError, check_folder_of, counted, failed_because, first_line,
-                     real_number, table_cell, visible, whole_number)
+                     real_number, table_cell, visible, whole_number, warn)
 from .files import DiskFull, left_by_an_ended_process, remove_temporaries, replace_atomically, temporary_beside
 from .fp8 import in_float8
 from .headroom import HEADROOM_CSV, HeadroomRow, bits_shown, read_headroom_csv
@@ -1978,11 +1978,11 @@ def write_report(config: Config, result: RunResult) -> None:
                  headroom=headroom_beside(paths.csv), alert_bits=config.monitor.headroom.alert_bits,
                  init_scale=config.scaler.init_scale if result.monitor.scaler_enabled else 1.0,
                  scale_floor=config.scaler.min_scale,
-                 note=lambda line: warnings.warn(line, AmpguardWarning, stacklevel=2),
+                 note=lambda line: warn(line, AmpguardWarning, stacklevel=2),
                  policy=policy_changes_of(log) if log is not None else (), events_dir=log,
                  scaler_on=result.monitor.scaler_enabled)
     except Exception as err:  # noqa: BLE001 - the run's records matter more than its picture
-        warnings.warn(f"could not draw {paths.plot}: {err}", AmpguardWarning, stacklevel=2)
+        warn(f"could not draw {paths.plot}: {err}", AmpguardWarning, stacklevel=2)
         # (a `|` in it is escaped with the card's other cells, _table)
         write_run_card(paths.card, config, result, f"not drawn: {first_line(err)} (`ampguard report` draws it)")
         return

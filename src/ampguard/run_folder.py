@@ -22,7 +22,6 @@ import socket
 import stat
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import Config, dump_config
-from .errors import AmpguardWarning, ExitCode, InputError, failed_because, shortened, shown
+from .errors import AmpguardWarning, ExitCode, InputError, failed_because, shortened, shown, warn
 from .files import (STALE_AFTER_S, DiskFull, _running, _temporary_name, is_temporary, left_by_an_ended_process,
                     make_parents, my_uid, rename_onto_nothing, replace_atomically)
 
@@ -256,9 +255,9 @@ class RunPaths:
         if fcntl is None:
             if not _SAID_UNLOCKED[0]:
                 _SAID_UNLOCKED[0] = True
-                warnings.warn("run folders are not locked on this platform (Python has no fcntl): a second "
-                              "process could write the same run folder; resume or train in one folder one "
-                              "process at a time", AmpguardWarning, stacklevel=2)
+                warn("run folders are not locked on this platform (Python has no fcntl): a second "
+                     "process could write the same run folder; resume or train in one folder one "
+                     "process at a time", AmpguardWarning, stacklevel=2)
             return
         path = self.dir / LOCK_FILE
         # a reader's look (writer(): report, compare) holds a shared lock for microseconds: tried again for a
@@ -755,8 +754,8 @@ def _take_killed_start(run_dir: Path) -> bool:
         os.close(fd)
     named = _holder_named(holder)
     by = f" ({named})" if named else ""
-    warnings.warn(f"run folder {run_dir} held nothing of a run: a start-up killed before its logs opened{by} "
-                  "left it; it is taken for this run", AmpguardWarning, stacklevel=3)
+    warn(f"run folder {run_dir} held nothing of a run: a start-up killed before its logs opened{by} "
+         "left it; it is taken for this run", AmpguardWarning, stacklevel=3)
     return True
 
 

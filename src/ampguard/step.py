@@ -28,7 +28,7 @@ from torch import nn
 from . import distributed
 from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, clip_coefficient_value, clip_to_norm_,
                        factor_on_host, post_clip_norm, post_clip_value)
-from .errors import AmpguardWarning, user_stacklevel, whole_number
+from .errors import AmpguardWarning, user_stacklevel, whole_number, warn
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
 from .watch import (_PROBING, STEPPING, UNFROZEN_EVERY, WATCHED, RunningStats, _GuardStepping, _hook_stray_steps,
@@ -1028,15 +1028,15 @@ class Guard:
         if seen is False and not self.precision.autocasts:  # (fp32: no autocast is the precision asked for)
             return
         if seen is False:
-            warnings.warn(f"{where} without autocast (outside `with guard.autocast():`): it computes in float32, no "
-                          "mixed precision; put the forward and the loss inside that block", AmpguardWarning,
-                          stacklevel=user_stacklevel())
+            warn(f"{where} without autocast (outside `with guard.autocast():`): it computes in float32, no "
+                 "mixed precision; put the forward and the loss inside that block", AmpguardWarning,
+                 stacklevel=user_stacklevel())
         elif seen != self.precision.dtype:
             said = str(seen).removeprefix("torch.")
             scaler = "" if self.scaler.is_enabled() else ", with no loss scaler"
-            warnings.warn(f"{where} under autocast({said}), not the guard's {str(self.precision.dtype).removeprefix('torch.')}{scaler}: "
-                          f"a torch.autocast of the loop's own? use `with guard.autocast():`", AmpguardWarning,
-                          stacklevel=user_stacklevel())
+            warn(f"{where} under autocast({said}), not the guard's {str(self.precision.dtype).removeprefix('torch.')}{scaler}: "
+                 f"a torch.autocast of the loop's own? use `with guard.autocast():`", AmpguardWarning,
+                 stacklevel=user_stacklevel())
 
     def _every_scheduler(self) -> list[Any]:
         return [scheduler for schedulers in self._schedulers.values() for scheduler in schedulers]
@@ -1310,10 +1310,10 @@ class Guard:
                 overflow = ("; scaled by the loss scale (65536 by default) it overflows float16 past 65504, and "
                             "the step skips as a non-finite gradient" if self.scaler.is_enabled()
                             and loss.dtype == torch.float16 else "")
-                warnings.warn(f"Guard.backward(): the loss is {kind}, not float32 (a reduction inside autocast, "
-                              f"(x * x).sum()?): it is rounded to {kind}{overflow}; make it float32 (.float() "
-                              "before the reduction, or a loss function autocast runs in float32, F.mse_loss)",
-                              AmpguardWarning, stacklevel=user_stacklevel())
+                warn(f"Guard.backward(): the loss is {kind}, not float32 (a reduction inside autocast, "
+                     f"(x * x).sum()?): it is rounded to {kind}{overflow}; make it float32 (.float() "
+                     "before the reduction, or a loss function autocast runs in float32, F.mse_loss)",
+                     AmpguardWarning, stacklevel=user_stacklevel())
         if self.scaler.any_unscaled(self.optimizers.values()):
             raise RuntimeError("Guard.backward() after guard.unscale_(): unscale once the group's last backward "
                                "has run (the gradients this backward adds would stay scaled)")
@@ -1458,7 +1458,7 @@ class Guard:
             # before a framework's short last group's step), said once a guard unless the step says close=True
             self._short_group_said = True
             k, n = self._micro, self.accumulation_steps
-            warnings.warn(ShortGroupWarning(
+            warn(ShortGroupWarning(
                 f"Guard.unscale_() after micro-batch {k} of {n}: the group ends short, its update made of {k} "
                 f"micro-batch{'es' if k > 1 else ''} whose losses were divided by {n} (an unscale_() every "
                 f"micro-batch makes each one an update of gradients divided by {n}); call unscale_() after the "
@@ -1597,7 +1597,7 @@ class Guard:
             which = f"parameter {found!r}" if found is not None else f"a parameter of shape {list(edited.shape)}"
             scale = f"{self.scaler.get_scale():g}"
             self._edits_unchecked.clear()  # (said once a guard: nothing more to check)
-            warnings.warn(ScaledEditWarning(
+            warn(ScaledEditWarning(
                 f"Guard.{where}(): the gradient of {which} was changed after guard.backward() (under Lightning: in "
                 f"on_after_backward), while the loss scale ({scale}) still multiplied it. A mask or another "
                 f"multiplication there is fine; a clip_grad_norm_ or clip_grad_value_ acts on gradients {scale} times "
@@ -1723,7 +1723,7 @@ class Guard:
                 continue
             self._replicas_unjudged.discard(name)
             if high - low > distributed.REPLICA_SPREAD * high:
-                warnings.warn(UnsyncedReplicasWarning(
+                warn(UnsyncedReplicasWarning(
                     f"the ranks' gradient norms{_of_optimizer(name, self.optimizers)} differ at step {self.steps} "
                     f"({low:.6g} to {high:.6g}): each rank applies its own gradients, so the replicas drift apart "
                     f"while the guard ties their skips and averages their losses into one record; wrap the model "
@@ -2168,9 +2168,9 @@ class Guard:
             if name in monitors and hasattr(monitor, "check_state"):  # restored, review 47e; one with no
                 monitor.check_state(monitors[name], f"Guard.load_state_dict(): monitors.{name}.")  # check: its load)
         if state["scaler"] and not self.scaler.is_enabled():  # (review 53n: GradScaler's load drops it, unsaid)
-            warnings.warn(f"Guard.load_state_dict(): the state's loss scale {state['scaler'].get('scale', '?')} is "
-                          "not taken: this guard's loss scaler is off (scaler enabled: False); the run goes on "
-                          "unscaled", AmpguardWarning, stacklevel=user_stacklevel())
+            warn(f"Guard.load_state_dict(): the state's loss scale {state['scaler'].get('scale', '?')} is "
+                 "not taken: this guard's loss scaler is off (scaler enabled: False); the run goes on "
+                 "unscaled", AmpguardWarning, stacklevel=user_stacklevel())
         elif state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state["step"])

@@ -16,7 +16,6 @@ import os
 import secrets
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,8 +29,8 @@ from .checkpoint import (checkpoint_step, child_exits_held, list_checkpoints, ot
                          torch_rng_state)
 from .config import Config, plain_data
 from .data import DataStream, check_same_data
-from .errors import (AmpguardWarning, ExitCode, InputError, an_interrupt, counted, first_line, listed, raised,
-                     warn_each_time)
+from .errors import (AmpguardWarning, ExitCode, InputError, RankWarning, an_interrupt, counted, first_line, listed,
+                     raised, warn, warn_each_time)
 from .evaluation import Evaluator
 from .events import EventLog, Throughput, event_word, known_peak_tflops, progress_bar
 from .faults import FaultInjector, check_nan_input, parse_faults
@@ -167,9 +166,9 @@ class Trainer:
         faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
         self.task = _build_task(config, self.dist.world_size)
         if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
-            warnings.warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
-                          "statistics frozen) and trains so: call model.train() in the factory to train it in train "
-                          "mode", AmpguardWarning, stacklevel=2)
+            warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
+                 "statistics frozen) and trains so: call model.train() in the factory to train it in train "
+                 "mode", RankWarning, stacklevel=2)
         check_nan_input(self.task, faults)
         if config.log.tensorboard:
             TensorBoardSink.require()
@@ -253,7 +252,7 @@ class Trainer:
         # gave them (review 52l: eval.batches set on a resume was a POLICY line, as if it took effect)
         if (resume is None or any(c["key"] in ("eval.every", "eval.batches") for c in self.policy_new)) and (
                 unread := eval_unread(config, self.task)):
-            warnings.warn(unread, AmpguardWarning, stacklevel=2)
+            warn(unread, AmpguardWarning, stacklevel=2)
         if resume is not None:
             ck.check_left_to_train(resume, config, self.policy_new)
         # the next step's LR, as the checkpoint's schedule left it (its get_last_lr: on the fast path,
@@ -278,21 +277,21 @@ class Trainer:
         said = saved is not None and isinstance(saved[0].get("warmup"), int) and isinstance(saved[1], int) \
             and saved[0]["warmup"] > saved[1]  # (the run's own start said it already)
         if config.schedule.warmup > config.steps and not said:
-            warnings.warn(f"schedule.warmup {config.schedule.warmup} > steps {config.steps}: the learning rate "
-                          f"never reaches optimizer.lr (at most {config.steps / config.schedule.warmup:.3g} of it)",
-                          WarmupPastTheRun, stacklevel=2)
+            warn(f"schedule.warmup {config.schedule.warmup} > steps {config.steps}: the learning rate "
+                 f"never reaches optimizer.lr (at most {config.steps / config.schedule.warmup:.3g} of it)",
+                 WarmupPastTheRun, stacklevel=2)
         every, first = (self.headroom.every if self.headroom is not None else None), self.state.steps + 1
         if every is not None and first <= config.steps and config.steps // every * every < first:
             left = "" if first > 1 else " (headroom.csv keeps its header only)"
-            warnings.warn(f"monitor.headroom.every {every}: none of the steps this run trains ({first} to "
-                          f"{config.steps}) is measured{left}", AmpguardWarning, stacklevel=2)
+            warn(f"monitor.headroom.every {every}: none of the steps this run trains ({first} to "
+                 f"{config.steps}) is measured{left}", AmpguardWarning, stacklevel=2)
         every = config.eval.every
         if "val_regression" in config.rollback.triggers and first == 1 and -(-config.steps // every) < 2:
             # (evaluated at every eval.every-th step and at the last: a run of one evaluation has none to
             # compare it with; a resumed run compares with the evaluations before it)
-            warnings.warn(f"rollback.triggers: val_regression compares each evaluation with the best before it, and "
-                          f"this run evaluates once (eval.every {every}, steps {config.steps}): it rolls back only on "
-                          "a non-finite metric", AmpguardWarning, stacklevel=2)
+            warn(f"rollback.triggers: val_regression compares each evaluation with the best before it, and "
+                 f"this run evaluates once (eval.every {every}, steps {config.steps}): it rolls back only on "
+                 "a non-finite metric", AmpguardWarning, stacklevel=2)
 
     def _next_lr(self) -> float | None:
         """The LR the next step takes from the schedule (``None`` without a scheduler)."""
@@ -391,7 +390,7 @@ class Trainer:
                 crashed, clean = (None if an_interrupt(err) else err), False
                 if crashed is None:  # (an error raised while the Ctrl-C unwound: said, not lost; review 49h)
                     warn_each_time(f"raised while the interrupt unwound: {first_line(err, with_type=True)}",
-                                   AmpguardWarning)  # (a run's own line: every run in a process says it)
+                                   RankWarning)  # (a run's own line: every run in a process says it)
                 if crashed is not None and distributed.peer_gone(crashed) and \
                         (code := distributed.peer_stopped()) is not None:  # a peer's second signal cut its
                     # step short and it left (end_alone, below): its stop, this rank's too, not a crash
@@ -416,7 +415,7 @@ class Trainer:
                         crashed, clean = err, False
                     else:
                         warn_each_time(f"a sink failed as it closed: {first_line(err, with_type=True)}",
-                                       AmpguardWarning)
+                                       RankWarning)
                 self.injector.detach()
                 with contextlib.suppress(Exception):  # (no batch is read after the loop: its DataLoader workers end)
                     self.data.release()
@@ -759,8 +758,8 @@ class Trainer:
                 say(f"tracking: {sink.where}")
                 if resuming and self.state.steps and sink.found_earlier is False:  # (deleted there, or another store)
                     # (a warning as the others are, `ampguard: warning: ...` on stderr; it was a stdout line: review 56b)
-                    warnings.warn(f"{sink.where} is a new run: this run's earlier one was not found there (deleted? "
-                                  f"another store?); it holds the steps from {self.state.steps + 1} on", AmpguardWarning)
+                    warn(f"{sink.where} is a new run: this run's earlier one was not found there (deleted? "
+                         f"another store?); it holds the steps from {self.state.steps + 1} on", AmpguardWarning)
         if resuming and self._failed is None:  # rank 0's; a resume a sink refused keeps the old config.yaml
             try:
                 with writing(self.paths.config or "config.yaml"):

@@ -30,7 +30,6 @@ import site
 import sys
 import sysconfig
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -40,7 +39,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
 from .checkpoint import rng_state, set_rng_state
-from .errors import AmpguardWarning, InputError, counted, first_line, listed
+from .errors import AmpguardWarning, InputError, counted, first_line, listed, warn
 
 
 @contextlib.contextmanager
@@ -377,27 +376,27 @@ def untouched(model: torch.nn.Module, by: str = "the replay",
                    if _changed(p, sums.get(name), versions.get(name))]
         if changed:
             kinds = list(dict.fromkeys(kind for _, kind in changed))
-            warnings.warn(f"{by} changed {counted(len(changed), 'parameter')} in place ("
-                          f"{listed([name for name, _ in changed])}) (in "
-                          f"{listed([_a(kind) for kind in kinds], 2, ' and ', ' and others')}): "
-                          f"the model's forward updates them, {so}; make the change in the training step, not the "
-                          "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
+            warn(f"{by} changed {counted(len(changed), 'parameter')} in place ("
+                 f"{listed([name for name, _ in changed])}) (in "
+                 f"{listed([_a(kind) for kind in kinds], 2, ' and ', ' and others')}): "
+                 f"the model's forward updates them, {so}; make the change in the training step, not the "
+                 "forward, or keep it in a buffer (buffers are put back)", AmpguardWarning, stacklevel=3)
         if left is not None:  # (review 41e: said whether or not an attribute changed: the hooks alone may differ)
             _warn_hooks_left(*left, by, passes)
         if snapshot.also_said:
             names = listed([x.__qualname__.split("<locals>.")[-1]  # (the loss not asked: 44d's __getattr__)
                             if isinstance(x, (types.FunctionType, types.MethodType)) else f"a {type(x).__name__}"
                             for x in snapshot.also_named])
-            warnings.warn(f"{by} changed the state the loss ({names}) keeps of its own (in its closure, on its object, "
-                          "in a global): it is not put back, so the run goes on from it, not from a plain loop's (a "
-                          "curriculum's count is ahead by the check's calls); keep such state in a module, whose "
-                          "attributes are put back", AmpguardWarning, stacklevel=3)
+            warn(f"{by} changed the state the loss ({names}) keeps of its own (in its closure, on its object, "
+                 "in a global): it is not put back, so the run goes on from it, not from a plain loop's (a "
+                 "curriculum's count is ahead by the check's calls); keep such state in a module, whose "
+                 "attributes are put back", AmpguardWarning, stacklevel=3)
         made = sorted({kind for m, kind in lazy_kinds if not not_made(m)})
         if made:
-            warnings.warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
-                          "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
-                          "run a batch through the model before handing it over to make them", AmpguardWarning,
-                          stacklevel=3)
+            warn(f"{by} made the weights of the model's lazy modules ({', '.join(made)}) at its first "
+                 "forward: they were drawn there, under RNGs it puts back, not where a plain loop draws them; "
+                 "run a batch through the model before handing it over to make them", AmpguardWarning,
+                 stacklevel=3)
 
 
 def _set_up(held: tuple[Any, ...]) -> bool:
@@ -512,7 +511,7 @@ def _warn_hooks_left(hooked: list[tuple[str, int]], modules: list[str], by: str,
                 f"(whatever records the hooks agrees with them){also}; right if the model registers it once, as the "
                 "run's first forward would; one registered at every forward would be there twice at the run's first "
                 f"step, and {'one pass' if passes == 1 else 'the passes'} cannot tell them apart")
-    warnings.warn(f"{by} {said}", AmpguardWarning, stacklevel=4)
+    warn(f"{by} {said}", AmpguardWarning, stacklevel=4)
 
 
 def _a(noun: str) -> str:
@@ -566,27 +565,27 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
     yield
     watched = list(dict.fromkeys(name for name, b, version in snapshot.watched if _version(b) != version))
     if watched:
-        warnings.warn(f"{by} changed the buffer {listed(watched)} of a module outside the model in place: it is "
-                      "not put back (a module in eval mode, or past 64 MiB of such buffers, is not copied), so the run "
-                      "goes on from it, not from a plain loop's; keep the module in training mode, or its state out of "
-                      "the forward", AmpguardWarning, stacklevel=4)
+        warn(f"{by} changed the buffer {listed(watched)} of a module outside the model in place: it is "
+             "not put back (a module in eval mode, or past 64 MiB of such buffers, is not copied), so the run "
+             "goes on from it, not from a plain loop's; keep the module in training mode, or its state out of "
+             "the forward", AmpguardWarning, stacklevel=4)
     moved = list(dict.fromkeys(name for (name, t), version in zip(tensors, versions) if _version(t) != version))
     if moved:
         more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
-        warnings.warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
-                      "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
-                      "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
+        warn(f"{by} changed the tensor attribute {moved[0]}{more} in place: it is no buffer, so it is "
+             "not put back, and the run goes on from its value, not a plain loop's; keep such state in a "
+             "buffer (register_buffer), which is put back", AmpguardWarning, stacklevel=4)
     spent, beside = _hooks_state_moved(kept, snapshot.trained, snapshot.registered_outside(), snapshot.module_names)
     spent = list(dict.fromkeys([*spent, *(hook for (hook, t), version in zip(held, held_versions)
                                           if _version(t) != version),  # (review 43h: ``amax_history.copy_(...)``)
                                 *(hook for hook, v, mark in opaque if _fingerprint(v) != mark)]))  # (44a)
     if spent:
         also = f" (with the module attributes it shares: {listed(beside)})" if beside else ""
-        warnings.warn(f"{by} changed the state a hook of the model keeps in its closure or object "
-                      f"({listed(spent, 2, ' and ', ' and others')}): it is not put back{also} (it may record what "
-                      "the hook did, or be the caller's own log), so the run goes on from it, not from a plain loop's "
-                      "(a warm-up's countdown is spent by the passes); keep such state in the module, whose attributes "
-                      "are put back", AmpguardWarning, stacklevel=4)
+        warn(f"{by} changed the state a hook of the model keeps in its closure or object "
+             f"({listed(spent, 2, ' and ', ' and others')}): it is not put back{also} (it may record what "
+             "the hook did, or be the caller's own log), so the run goes on from it, not from a plain loop's "
+             "(a warm-up's countdown is spent by the passes); keep such state in the module, whose attributes "
+             "are put back", AmpguardWarning, stacklevel=4)
 
 
 def _hook_tensors(kept: list[_Kept], own: set[Any]) -> list[tuple[str, torch.Tensor]]:

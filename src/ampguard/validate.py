@@ -34,7 +34,6 @@ import os
 import platform
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ from torch import nn
 from .build import prepare_model, resolve_device, to_device
 from .config import Config, flat_keys
 from .errors import (AmpguardWarning, ExitCode, InputError, counted, failed_because, listed, table_cell, user_code,
-                     visible)
+                     visible, warn)
 from .files import CAN_PROBE_PROCESSES, DiskFull, make_parents, open_to_append, replace_atomically
 from .precision import Precision, backend_of, fp32_settings
 from .records import strict_json
@@ -947,10 +946,10 @@ def check_fp32_weights(model: nn.Module, precisions: Iterable[str]) -> None:
     """
     for name, t in model.named_buffers():
         if t.is_floating_point() and t.dtype.itemsize < 4:
-            warnings.warn(f"validate: buffer {name!r} is {str(t.dtype).removeprefix('torch.')}: where the model "
-                          "computes with it (a frozen projection), the FP32 reference computes in that dtype too and "
-                          "AMP's difference there goes unmeasured (a 0/1 mask or a cache is fine)", AmpguardWarning,
-                          stacklevel=2)
+            warn(f"validate: buffer {name!r} is {str(t.dtype).removeprefix('torch.')}: where the model "
+                 "computes with it (a frozen projection), the FP32 reference computes in that dtype too and "
+                 "AMP's difference there goes unmeasured (a 0/1 mask or a cache is fine)", AmpguardWarning,
+                 stacklevel=2)
     weights = [("parameter", n, t) for n, t in model.named_parameters()]
     found = next(((kind, name, t) for kind, name, t in weights if t.is_floating_point() and t.dtype.itemsize < 4),
                  None)

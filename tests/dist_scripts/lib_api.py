@@ -11,12 +11,16 @@ accumulation 2, with the injector wired exactly as ``Trainer`` wires it (``attac
 sharded model, ``wrap_loss``, ``wrap_data``) and ``inf_grad@FSDP_INF_STEP@rank1``. Records
 whether the sharded gradients stay empty after a mid-group micro-batch (no reduce-scatter).
 
+Part 3 (warnings): a ``Guard`` given scaler settings its fp32 precision ignores, the warnings
+recorded: one about the run as a whole, said by rank 0 alone (every rank said it).
+
 Each rank writes ``torch.save(result, f"{OUT}.rank{RANK}.pt")``.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,7 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from ampguard import AmpTrainState
+from ampguard import AmpTrainState, Guard
 from ampguard import distributed as agd
 from ampguard.faults import FaultInjector, parse_fault
 
@@ -121,6 +125,14 @@ def part_fsdp2(rank: int) -> dict[str, object]:
     return {"logs": logs, "grads_empty_mid_group": grads_empty_mid_group}
 
 
+def part_warnings() -> list[str]:
+    model = nn.Linear(2, 1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", scaler=dict(init_scale=2.0))
+    return [str(w.message) for w in said]
+
+
 def main() -> None:
     out = sys.argv[1]
     joined = not dist.is_initialized()  # (a helpers.Batch run finds the group of the runs before it)
@@ -131,6 +143,7 @@ def main() -> None:
                      FSDP_INF_STEP=FSDP_INF_STEP)
     result = {"rank": rank, "world_size": dist.get_world_size(), "constants": constants, "ddp": part_ddp(rank)}
     result["fsdp2"] = part_fsdp2(rank)
+    result["warnings"] = part_warnings()
     torch.save(result, f"{out}.rank{rank}.pt")
     dist.barrier()
     if joined:

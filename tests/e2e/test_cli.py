@@ -238,12 +238,13 @@ def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_p
 
 @pytest.mark.parametrize("rank, world, shown", [("1", "2", False), ("0", "2", True), ("1", "1", True), ("", "", True)])
 def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, world, shown):
-    # every rank runs the same config on the same global stream: each warning came once per rank
+    # every rank runs the same config on the same global stream: each warning came once per rank;
+    # one about a rank's own state is that rank's, labelled (errors.warn decides, the one place)
     import contextlib
     import io
 
     from ampguard.cli import _slow_precision_in_one_line
-    from ampguard.errors import AmpguardWarning
+    from ampguard.errors import RankWarning, warn
 
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", world)
@@ -254,12 +255,15 @@ def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, w
             warnings.simplefilter("always")
             warnings.showwarning = lambda message, category, *args, **kwargs: passed.append(category)
             _slow_precision_in_one_line(quiet=False).release()
-            warnings.warn("the schedule's warmup is longer than the run", AmpguardWarning)
+            warn("the schedule's warmup is longer than the run")
+            warn("its data read again gave another first batch", RankWarning)
             warnings.warn("a plain warning", UserWarning)  # (not ampguard's: Python's, on every rank)
     finally:
         warnings.showwarning = kept
     lines = err.getvalue().splitlines()
     assert ("ampguard: warning: the schedule's warmup is longer than the run" in lines) is shown
+    label = f"rank {rank}: " if world == "2" else ""
+    assert f"ampguard: warning: {label}its data read again gave another first batch" in lines
     assert passed == [UserWarning]  # (handed on to Python's own, whatever the rank)
 
 

@@ -8,7 +8,8 @@ one after another (``helpers.Batch``: their ranks end together):
   checkpoint at step 4, and faults on rank 1 only (``nan_input@2@rank1``, ``nan_loss@3@rank1``,
   ``inf_grad@6@rank1``); ``F``, the same with FSDP2 (6 steps, ``nan_loss@2@rank1``);
 - ``S``, ``dist_scripts/lib_api.py``, the library API (``AmpTrainState``) on a DDP-wrapped and
-  an FSDP2-sharded model, each rank writing its own state to a file;
+  an FSDP2-sharded model, each rank writing its own state to a file (and the warnings a ``Guard``
+  gave it: one about the run, rank 0's alone);
 - ``B``, a copy of run A resumed from its step-4 checkpoint; ``W``, a run of one process
   (trained by the job itself before the launch) resumed under torchrun (refused: world size).
 
@@ -299,6 +300,13 @@ def test_library_api_under_ddp_every_rank_skips_the_same_steps_and_ends_identica
         assert logs[c["INF_STEP"] - 1]["pre"] == math.inf
     assert d0["updates"] == d1["updates"] == c["STEPS"] - 2
     assert d0["steps"] == d1["steps"] == c["STEPS"]
+
+
+def test_library_api_under_torchrun_says_a_warning_about_the_run_once_from_rank_0(lib_states):
+    # a Guard's warning about its settings (the same on every rank) was said by each rank: rank 1's
+    # copy doubled the console (an fp32 guard given scaler settings: ignored)
+    said = [state["warnings"] for state in lib_states]
+    assert said == [["precision fp32 uses no loss scaler: scaler settings init_scale ignored"], []]
 
 
 def test_library_api_under_ddp_accumulation_all_reduces_only_when_a_group_closes(lib_states):

@@ -66,7 +66,9 @@ last S; the resumes P, Q, W's, and G last); T, H, W and B1 each end their launch
   factory's barrier: the same, and no hang. Each a launch of its own (the refusing rank leaves
   the group: the store holds its line for the others).
 - ``Y``: rank 1 given its own ``task.options`` (a node's data path), then ``Y-resume`` each node
-  given its own again: it resumes (rank 1 was refused alone against rank 0's config).
+  given its own again: it resumes (rank 1 was refused alone against rank 0's config). Its factory
+  builds rank 1's model in eval mode: rank 1 warns of it, labelled, and the warning about the
+  ranks' options is rank 0's alone.
 
 A launch costs ~12 s of CPU, two thirds of it its three processes importing torch, so a claim
 that can share a run does (the unused head rides on E, P's checkpoint is K's), and the runs whose
@@ -232,6 +234,8 @@ def build(config):
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(8)]
     model = Dies(4, 1)
     model.register_buffer("table", torch.zeros(int(config.task.options.get("table", 3))))  # (sized by an option)
+    if config.task.options.get("node") == "b":  # (Y: rank 1's node builds its model in eval mode, a warning of its own)
+        model.eval()
     return model, Batches(data), nn.functional.mse_loss
 '''
 KILLED_RUN = ["train", "--set", "task.factory=../killed.py:build", "--set", "precision=fp32", "--set", "device=cpu",
@@ -689,6 +693,21 @@ def test_a_run_whose_nodes_have_their_own_task_options_resumes_with_them(launche
     code, out, err, cwd = launches["Y-resume"]
     assert rank_codes(cwd) == {0: 0, 1: 0}, f"torchrun exited {code}\n{err[-3000:]}"
     assert [r["step"] for r in read_rows(cwd.parent / "Y" / "runs" / "Y" / "steps.csv")] == ["1", "2", "3", "4"]
+
+
+def test_a_warning_about_the_run_is_said_once_and_one_about_a_rank_by_that_rank_labelled(launches):
+    # rank 1's own warning (its factory's model in eval mode) went unsaid: the console showed rank
+    # 0's warnings alone, whatever they were about
+    code, out, err, cwd = launches["Y"]
+    assert rank_codes(cwd) == {0: 0, 1: 0}, f"torchrun exited {code}\n{err[-3000:]}"
+    said = [line for line in err.splitlines() if line.startswith("ampguard: warning: ")]
+    assert [line for line in said if "is in eval mode" in line] == [
+        "ampguard: warning: rank 1: task.factory ../killed.py:build: the model is in eval mode (dropout off, BatchNorm "
+        "statistics frozen) and trains so: call model.train() in the factory to train it in train mode"]
+    assert [line.partition(":")[2][:60] for line in said if "task.options.node" in line] == [
+        " warning: task.options.node is 'a' on rank 0, 'b' on rank 1:"]  # (rank 0's, once)
+    rank_1 = (cwd.parent / "Y.rank1.stderr").read_text()
+    assert "rank 1: task.factory" in rank_1 and "task.options.node" not in rank_1
 
 
 def test_ranks_given_different_resume_checkpoints_are_refused_before_anything_is_cut(launches):

@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from ..errors import (AmpguardWarning, ExitCode, InputError, counted, failed_because, first_line, shown, unwritable,
-                      whole_number)
+from ..errors import (AmpguardWarning, ExitCode, InputError, RankWarning, counted, failed_because, first_line, shown,
+                      unwritable, warn, whole_number)
 from ..monitor import HEALTH_VERDICTS
 from ..precision import finite_number
 from ..records import SKIP_REASONS, StepRecord
@@ -220,8 +220,8 @@ def end_unserved(sinks: Sequence[Any], rank: int, who: str) -> None:
     for sink in trackers:
         sink._end(0, NOT_PROCESS_0.format(rank=rank))
     if trackers:
-        warnings.warn(f"{who}: {len(trackers)} tracker sink(s) given to process {rank} were ended unused: only "
-                      "process 0 logs; build them on process 0 alone (their runs say so in 'ended')", AmpguardWarning)
+        warn(f"{who}: {len(trackers)} tracker sink(s) given to process {rank} were ended unused: only "
+             "process 0 logs; build them on process 0 alone (their runs say so in 'ended')", RankWarning)
 
 
 class TrackerLostWarning(AmpguardWarning):

@@ -8,13 +8,12 @@ own with ``task.factory`` (see :mod:`ampguard.tasks.factory`).
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ..errors import AmpguardWarning, InputError, first_line
+from ..errors import AmpguardWarning, InputError, first_line, warn
 from .base import Batch, Task, batch_generator, cycle, mean_loss
 
 __all__ = ["Batch", "Task", "batch_generator", "build_task", "cycle", "mean_loss", "seed_everything",
@@ -56,9 +55,9 @@ def build_task(config: Any) -> Task:
         return build_from_factory(config)
     unread = config.task.unread()
     if unread:  # (a config shared with another task: said, not refused)
-        warnings.warn(f"task {config.task.name} does not read task.{', task.'.join(unread)}: ignored"
-                      + (" (task.options are a task.factory's)" if "options" in unread else ""), AmpguardWarning,
-                      stacklevel=2)
+        warn(f"task {config.task.name} does not read task.{', task.'.join(unread)}: ignored"
+             + (" (task.options are a task.factory's)" if "options" in unread else ""), AmpguardWarning,
+             stacklevel=2)
     if config.task.name == "linear":
         from .linear import build
     elif config.task.name == "charlm":

@@ -41,7 +41,6 @@ import itertools
 import os
 import sys
 import types
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..checkpoint import rng_state, set_rng_state
-from ..errors import AmpguardWarning, InputError, user_code
+from ..errors import InputError, RankWarning, user_code, warn
 from ..faults import has_floating_input
 from ..records import LABEL_COLUMNS
 from ..sinks import CSV_COLUMNS, check_column_names
@@ -215,9 +214,9 @@ def build_from_factory(config: Any) -> Task:
     if os.getcwd() != folder:  # (the run folder, and every relative path of the command, are read from there)
         moved = os.getcwd()
         os.chdir(folder)
-        warnings.warn(f"task.factory {spec}: build() changed the working folder to {moved}; set back to {folder}, "
-                      "where the command runs and its run folder goes (open your files by absolute paths, e.g. "
-                      "Path(__file__).parent / 'data')", AmpguardWarning, stacklevel=2)
+        warn(f"task.factory {spec}: build() changed the working folder to {moved}; set back to {folder}, "
+             "where the command runs and its run folder goes (open your files by absolute paths, e.g. "
+             "Path(__file__).parent / 'data')", RankWarning, stacklevel=2)
     if isinstance(made, Task):
         _check_model_and_loss(made.model, made.loss_fn, spec)
         check_metrics(made.metrics, spec)
@@ -257,11 +256,11 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
     start_states = [g.get_state() for g in generators]
     global_sampler = any(s is not None and _looked_up(s, "generator", _UNKNOWN) is None for s in samplers)
     if global_sampler:  # (random ones have one)
-        warnings.warn(f"task.factory {spec}: the DataLoader's sampler draws from the global RNG: a resume, a rollback "
-                      "or locate's replay of a step reads another order than the run did; give it its own seeded "
-                      "generator (DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(config.seed)), "
-                      "or the sampler's generator=)",
-                      AmpguardWarning, stacklevel=3)
+        warn(f"task.factory {spec}: the DataLoader's sampler draws from the global RNG: a resume, a rollback "
+             "or locate's replay of a step reads another order than the run did; give it its own seeded "
+             "generator (DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(config.seed)), "
+             "or the sampler's generator=)",
+             RankWarning, stacklevel=3)
     if callable(data) and not isinstance(data, Iterable):
         make_iterable = data
     elif isinstance(data, DataLoader) or isinstance(data, Iterable) and iter(data) is not data:
@@ -294,7 +293,7 @@ def _task_from(made: Mapping[str, Any], model: nn.Module, data: Any, loss_fn: An
 
     def release() -> None:  # (the run read its last batch: the workers end now, not at a garbage collection)
         for loader in [data, *loaders]:
-            _fresh_workers(loader, spec, warn=False)
+            _fresh_workers(loader, spec, say=False)
 
     def stream() -> Iterator[Any]:  # (the generator set once, at the stream's start, not at each epoch's)
         first = restart()
@@ -426,20 +425,20 @@ def _check_read_again(restart: Callable[[], Any], first: Any, drawn_from: dict[s
                          "over a map-style dataset, or a function returning a fresh iterable")
     if one_shot:  # (warned, not refused: an iterable whose __iter__ starts over and returns itself, reshuffled, is
         # one shared iterator too, and trains: review 38i; whether it starts over no read can tell)
-        warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch, and every read "
-                      "shares one iterator (a one-shot iterable?): if it does not start over when read again, the run "
-                      "stops at the end of its first pass, and a resume or a rollback reads other batches; give a "
-                      "list, a DataLoader over a map-style dataset, a dataset whose __iter__ is a generator (yield) "
-                      "that reads its source from the start, or a function returning a fresh iterable", AmpguardWarning,
-                      stacklevel=4)
+        warn(f"task.factory {spec}: data read again from its start gave another first batch, and every read "
+             "shares one iterator (a one-shot iterable?): if it does not start over when read again, the run "
+             "stops at the end of its first pass, and a resume or a rollback reads other batches; give a "
+             "list, a DataLoader over a map-style dataset, a dataset whose __iter__ is a generator (yield) "
+             "that reads its source from the start, or a function returning a fresh iterable", RankWarning,
+             stacklevel=4)
     elif not _same_batch(again, first):
-        warnings.warn(f"task.factory {spec}: data read again from its start gave another first batch: a resume, a "
-                      "rollback or locate's replay reads other batches than the run did, and the run, after the "
-                      "start-up's reads, other batches than a plain loop: something it draws from goes on from read "
-                      "to read (a generator of its own, a NumPy one, a dataset's; the torch generators of its "
-                      "DataLoaders and their samplers are set back); re-seed it at the start of each read (in "
-                      "__iter__, or in the function data is), or draw from a generator the DataLoader holds "
-                      "(generator=)", AmpguardWarning, stacklevel=4)
+        warn(f"task.factory {spec}: data read again from its start gave another first batch: a resume, a "
+             "rollback or locate's replay reads other batches than the run did, and the run, after the "
+             "start-up's reads, other batches than a plain loop: something it draws from goes on from read "
+             "to read (a generator of its own, a NumPy one, a dataset's; the torch generators of its "
+             "DataLoaders and their samplers are set back); re-seed it at the start of each read (in "
+             "__iter__, or in the function data is), or draw from a generator the DataLoader holds "
+             "(generator=)", RankWarning, stacklevel=4)
     return _same_batch(again, first)
 
 
@@ -461,13 +460,13 @@ def _check_resumes_in_a_pass(restart: Callable[[], Any], second: Any, after_firs
         again = next(reader, None)
         del reader
     if again is not None and not _same_batch(again, second):
-        warnings.warn(f"task.factory {spec}: data draws from the global RNG as a pass begins (a shuffle without a "
-                      "generator of its own: torch.randperm, a DataLoader(shuffle=True) without generator=, "
-                      "np.random.permutation): a resume, a rollback or locate's replay inside a pass reads that pass "
-                      "in another order than the run did (a pass's order is drawn again from the RNG state at the "
-                      "position, not the one the pass began at); give the shuffle a generator of its own, held by the "
-                      "DataLoader (generator=torch.Generator().manual_seed(0)) or re-seeded at the start of each "
-                      "pass", AmpguardWarning, stacklevel=4)
+        warn(f"task.factory {spec}: data draws from the global RNG as a pass begins (a shuffle without a "
+             "generator of its own: torch.randperm, a DataLoader(shuffle=True) without generator=, "
+             "np.random.permutation): a resume, a rollback or locate's replay inside a pass reads that pass "
+             "in another order than the run did (a pass's order is drawn again from the RNG state at the "
+             "position, not the one the pass began at); give the shuffle a generator of its own, held by the "
+             "DataLoader (generator=torch.Generator().manual_seed(0)) or re-seeded at the start of each "
+             "pass", RankWarning, stacklevel=4)
 
 
 def _one_shot(restart: Callable[[], Any]) -> bool:
@@ -639,7 +638,7 @@ def _held_iterators(reader: Any) -> dict[int, Any]:
     return found
 
 
-def _fresh_workers(iterable: Any, spec: str, *, warn: bool = True) -> None:
+def _fresh_workers(iterable: Any, spec: str, *, say: bool = True) -> None:
     """A ``DataLoader`` with ``persistent_workers`` keeps its worker processes, and the RNG state
     each draws its augmentations from, from one ``iter()`` to the next: a read from the data's
     start (the start-up's reads, the run's, a resume's, a rollback's) would go on from the draws
@@ -647,7 +646,7 @@ def _fresh_workers(iterable: Any, spec: str, *, warn: bool = True) -> None:
     are shut down here, so that the read starts new ones, seeded as at that first ``iter()``
     (their base seed from the loader's generator, set back, or from the global RNG); within a
     stream, epoch after epoch, they persist as in a plain loop. A torch whose loader keeps them
-    otherwise than in ``_iterator`` is warned about instead (``warn``: at the run's end, when
+    otherwise than in ``_iterator`` is warned about instead (``say``: at the run's end, when
     they are only stopped, :attr:`Task.release <ampguard.tasks.Task.release>`, not)."""
     if not (isinstance(iterable, DataLoader) and iterable.persistent_workers and iterable.num_workers > 0):
         return
@@ -656,12 +655,12 @@ def _fresh_workers(iterable: Any, spec: str, *, warn: bool = True) -> None:
         return
     stop = getattr(running, "_shutdown_workers", None)
     if running is _UNKNOWN or stop is None:  # (torch's private attributes, as of 1.7 to 2.x)
-        if not warn:
+        if not say:
             return
-        warnings.warn(f"task.factory {spec}: the DataLoader's persistent workers cannot be restarted: their RNGs go "
-                      "on from the start-up's reads of the data, so that a random augmentation in them draws other "
-                      "numbers than a plain loop's (give persistent_workers=False for a bit-for-bit run)",
-                      AmpguardWarning, stacklevel=2)
+        warn(f"task.factory {spec}: the DataLoader's persistent workers cannot be restarted: their RNGs go "
+             "on from the start-up's reads of the data, so that a random augmentation in them draws other "
+             "numbers than a plain loop's (give persistent_workers=False for a bit-for-bit run)",
+             RankWarning, stacklevel=2)
         return
     stop()
     iterable._iterator = None
