@@ -24,7 +24,7 @@ from torch.nn.parameter import UninitializedBuffer, is_lazy
 from torch.utils._pytree import tree_map_only
 
 from .clipping import clip_threshold
-from .config import Config
+from .config import EXACT_ONLY, Config, check_fast  # (the config's alone: no torch for --print-config)
 from .errors import AmpguardWarning, InputError, counted, first_line, listed, user_code, warn
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, HeadroomCsv, check_headroom_rows
 from .integrations.trackers import build_trackers, end_trackers
@@ -123,44 +123,6 @@ def make_optimizer(config: Config, model: nn.Module, fast: bool = False) -> torc
     return torch.optim.AdamW(
         model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused
     )
-
-
-EXACT_ONLY: tuple[tuple[str, Callable[[Config], bool]], ...] = (
-    ("diagnose.first_skip", lambda c: c.diagnose.first_skip),
-    ("diagnose.strict", lambda c: c.diagnose.strict),
-    ("monitor.headroom", lambda c: c.monitor.headroom.every is not None),
-    ("rollback.triggers", lambda c: bool(c.rollback.triggers)),
-    ("scheduler_on_skip: step", lambda c: c.scheduler_on_skip == "step"),
-)
-"""The settings that need each step decided at the host (the exact path): they act on a
-skipped step's own batch or gradients, or on the state right after the trigger step."""
-
-
-def check_fast(config: Config, world_size: int = 1) -> None:
-    """``fast: true`` beside what the fast path cannot serve, one :class:`InputError` line: an
-    :data:`EXACT_ONLY` setting, ``optimizer.fused: false``, a world of several processes. From
-    the config and the world alone: ``--print-config`` refuses what ``train`` would.
-
-    Example::
-
-        >>> from ampguard.config import validate
-        >>> check_fast(validate({"fast": True, "optimizer": {"fused": False}}))
-        Traceback (most recent call last):
-        ...
-        ampguard.errors.InputError: fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and optimizer.fused is false: set one of them otherwise
-    """
-    if not config.fast:
-        return
-    blocking = next((name for name, on in EXACT_ONLY if on(config)), None)
-    if blocking is not None:
-        raise InputError(f"fast: true cannot serve {blocking}, which needs each step decided at the host "
-                         "(set fast: false)")
-    if config.optimizer.fused is False:
-        raise InputError("fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and "
-                         "optimizer.fused is false: set one of them otherwise")
-    if world_size > 1:
-        raise InputError("fast: true runs in one process; under torchrun the step agrees with the other "
-                         "ranks at the host every step (set fast: false)")
 
 
 def fast_path(config: Config, device: torch.device, world_size: int = 1) -> tuple[bool, str]:

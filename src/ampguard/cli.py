@@ -176,7 +176,7 @@ def _fail_rate(text: str) -> float:
 
 
 def _fault(text: str) -> str:
-    from .faults import parse_fault
+    from .fault_specs import parse_fault
 
     if text != "none":
         try:
@@ -251,14 +251,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from . import train
-    from .checkpointer import find_resume
     from .config import dump_config
 
     if args.resume and args.config:
         raise InputError("train: --resume takes the run's config from its config.yaml; change it with --set, not CONFIG")
     _spike_as_inject(args)
-    resume = find_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
+    resume = _found_resume(args.resume) if args.resume else None  # the run folder's config, never the checkpoint's
     sections = {"monitor": _monitor_flags(args), "diagnose": {"strict": True} if args.strict else {}}
     base = None if resume is None else _resumed_base(resume)
     config = _config_from(args, base=base, sections=sections, verb="train",
@@ -269,11 +267,38 @@ def _train(args: argparse.Namespace) -> int:
     if resume is not None:
         _check_resumed(config, resume, base)
     _check_fail_after(args, config)
+    _refused_before_the_run(config, resume, printed=args.print_config)  # (none to print: review 50j)
     if args.print_config:
-        _refused_before_the_run(config, resume)  # (a config train would refuse is none to print: review 50j)
         print(dump_config(config), end="")
         return ExitCode.OK
+    return _trained(config, resume)
+
+
+def _trained(config: Any, resume: Any) -> int:
+    """``train``'s run (:func:`~ampguard.train.train`), torch imported first
+    (:func:`_import_torch`): once what needs neither is refused (review 60b)."""
+    _import_torch()
+    from . import train
+
     return train.train(config, resume)
+
+
+def _found_resume(given: str) -> Any:
+    """``--resume``'s checkpoint (:func:`~ampguard.checkpointer.find_resume`), read with torch."""
+    _import_torch()
+    from .checkpointer import find_resume
+
+    return find_resume(given)
+
+
+def _import_torch() -> None:
+    """Import torch with stop signals held (``held_signals``): a Ctrl-C inside its import could be
+    swallowed or break numpy; after it a signal stops the verb. Every verb's first step
+    (:func:`main`) but ``train``'s, which refuses what it can first (:func:`_needs_torch`)."""
+    from .signals import held_signals
+
+    with held_signals():
+        importlib.import_module("torch")
 
 
 def _spike_as_inject(args: argparse.Namespace, verb: str = "train") -> None:
@@ -287,28 +312,33 @@ def _spike_as_inject(args: argparse.Namespace, verb: str = "train") -> None:
     args.inject = [*(args.inject or []), *([] if "spike@5" in (args.inject or []) else ["spike@5"])]
 
 
-def _refused_before_the_run(config: Any, resume: Any) -> None:
+def _refused_before_the_run(config: Any, resume: Any, *, printed: bool) -> None:
     """What ``train`` refuses from the config and the checkpoint alone, before it builds anything
-    (the task, the model): the resume's checks, the faults, a run folder that exists. So
+    (the task, the model) or imports torch (seconds of CPU): the resume's checks, the faults, a
+    run folder that exists or cannot be made (:meth:`~ampguard.run_folder.RunPaths.check_new`). So
     ``--print-config`` does not print, exit 0, a config the same command line would refuse, exit 2,
-    from those alone. What only the built task or model can refuse (a fault the task's data
-    cannot take, an ``fp32_modules`` name the model lacks, a ``rollback.val_metric`` the task does
-    not report, a resume whose logs differ) is refused when ``train`` starts: ``--print-config``
-    builds nothing (review 58a: building the start-up calls a factory, loads its model and runs a
+    from those alone. ``train`` (not ``printed``) in one process refuses them first, before torch
+    is imported (review 60b); under torchrun its trainer does, every rank alike (rank 0's run
+    folder). What only the built task or model can refuse (a fault the task's data cannot take,
+    an ``fp32_modules`` name the model lacks, a ``rollback.val_metric`` the task does not report,
+    a resume whose logs differ) is refused when ``train`` starts: ``--print-config`` builds nothing (review 58a: building the start-up calls a factory, loads its model and runs a
     forward, the time and memory of a run's start, for a command that prints a config)."""
-    from . import distributed
-    from . import checkpointer as ck
-    from .build import check_fast
-    from .faults import parse_faults
-    from .run_folder import taken
+    from .config import check_fast
+    from .fault_specs import parse_faults
+    from .launch import launched_by_torchrun, launched_rank, launched_world_size
+    from .run_folder import RunPaths
 
-    world = distributed.launched_world_size()
+    if not printed and launched_by_torchrun():
+        return
+    world = launched_world_size()
     check_fast(config, world)
     if resume is not None:
-        ck.check_resume(resume, config, world, distributed.launched_rank())
+        from . import checkpointer as ck
+
+        ck.check_resume(resume, config, world, launched_rank())
         ck.check_left_to_train(resume, config)
-    elif config.log.name and (Path(config.log.dir) / config.log.name).exists():
-        raise taken(Path(config.log.dir) / config.log.name)
+    else:
+        RunPaths.check_new(config)
     parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=world)
 
 
@@ -330,8 +360,8 @@ def _check_resumed(config: Any, resume: Any, saved: dict[str, Any]) -> None:
     run), or a fault (one not in the run's saved ``inject``) for steps the run already trained,
     which never fires (a clean run for the wrong reason; the run's own faults fired before the
     checkpoint, as they were meant to)."""
-    from . import distributed
-    from .faults import parse_faults
+    from .fault_specs import parse_faults
+    from .launch import launched_world_size
 
     if _folder_of(config.log.dir, config.log.name) != resume.run_dir.resolve():
         raise InputError(f"train --resume trains in its own run folder {resume.run_dir}: log.dir and log.name "
@@ -339,7 +369,7 @@ def _check_resumed(config: Any, resume: Any, saved: dict[str, Any]) -> None:
     old = saved.get("inject") if isinstance(saved.get("inject"), list) else []
     # (against the processes torchrun started: a fault @rank1 was refused as aimed past a world of one)
     parse_faults([spec for spec in config.inject if spec not in old], seed=config.seed, steps=config.steps,
-                 start=resume.loaded.step + 1, world_size=distributed.launched_world_size())
+                 start=resume.loaded.step + 1, world_size=launched_world_size())
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -743,12 +773,12 @@ def _slow_precision_in_one_line(*, quiet: bool, console: Any = None) -> _HeldWar
         >>> before, err.getvalue()
         ('', 'ampguard: warning: fp16 on a CPU is slow\\n')
     """
-    from .errors import AmpguardWarning
-    from .precision import SlowPrecisionWarning
     from .signals import clear_of_bars
 
     held = _HeldWarnings()
-    if quiet:  # (the demo's other warnings still one line each)
+    if quiet:  # (the demo's other warnings still one line each; precision imports torch)
+        from .precision import SlowPrecisionWarning
+
         warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
     if console is not None:
         console.before_write = held.release
@@ -785,7 +815,7 @@ def _another_rank() -> tuple[int, int] | None:
         ...     _another_rank() is None
         True
     """
-    from .distributed import _LAUNCH_VARIABLES
+    from .launch import _LAUNCH_VARIABLES
 
     if not all(os.environ.get(name) for name in _LAUNCH_VARIABLES):  # (torchrun's, beside WORLD_SIZE)
         return None
@@ -812,6 +842,21 @@ def entry() -> int:
         code = ExitCode.INTERRUPTED
     settled(int(code))
     return code
+
+
+def _needs_torch(args: argparse.Namespace) -> bool:
+    """Whether :func:`main` imports torch before the verb runs (:func:`_import_torch`): every verb
+    needs it but ``train``, which imports it itself once it has refused what the config, the
+    command line and the run folder refuse (torch's import is seconds of CPU), and
+    ``train --print-config`` of a config (no ``--resume``) never does.
+
+    Example::
+
+        >>> [_needs_torch(build_parser().parse_args(argv)) for argv in (["train", "--print-config"], ["train"],
+        ...  ["report", "runs/a"])]
+        [False, False, True]
+    """
+    return args.func is not _train
 
 
 def _result_on_stdout(args: argparse.Namespace) -> bool:
@@ -844,7 +889,7 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
         ended: finished: 2 steps
         0
     """
-    from .signals import Interrupted, held_signals, lost_stdout, terminated_as_interrupted, tolerant_console
+    from .signals import Interrupted, lost_stdout, terminated_as_interrupted, tolerant_console
 
     held = _HeldWarnings()
     # a reader that left, a full /dev/full, an ASCII terminal: never a traceback
@@ -853,8 +898,8 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
             args, extra = build_parser().parse_known_args(argv)
             if extra:  # (argparse's own line did not name the verb, as every other usage error does)
                 raise InputError(f"{args.verb}: unrecognized arguments: {' '.join(extra)}")
-            with held_signals():  # a signal inside torch's import could be swallowed or break numpy
-                importlib.import_module("torch")  # every verb needs it; after this block a signal stops us
+            if _needs_torch(args):
+                _import_torch()
             with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
                 # (the CPU demo is fp16 on purpose: quiet)
                 held = _slow_precision_in_one_line(quiet=args.func is _demo, console=console)

@@ -13,7 +13,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -25,11 +25,12 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from .errors import MAX_COUNT, MAX_WINDOW, ConfigError, brief, failed_because, first_line, has_control, shortened
-from .faults import parse_fault
-from .monitor import DEFAULT_MIN_STEPS
-from .precision import (DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, loss_scaler_runs, scaler_range_problem,
-                        uses_loss_scaler)
+# (none of these imports torch: a config is loaded and validated without it, `train --print-config` too)
+from .errors import (DEFAULT_MIN_STEPS, MAX_COUNT, MAX_WINDOW, ConfigError, InputError, brief, failed_because,
+                     first_line, has_control, shortened)
+from .fault_specs import parse_fault
+from .precision_rules import (DEFAULT_MIN_SCALE, MAX_SCALE, PrecisionName, loss_scaler_runs, scaler_range_problem,
+                              uses_loss_scaler)
 
 
 MAX_FILE_BYTES = 1 << 20
@@ -2025,3 +2026,41 @@ def dump_config(config: Config) -> str:
         (inf, [-inf, 1.5], True, True)
     """
     return yaml.dump(plain_data(config), Dumper=_PlainDumper, sort_keys=False)
+
+
+EXACT_ONLY: tuple[tuple[str, Callable[[Config], bool]], ...] = (
+    ("diagnose.first_skip", lambda c: c.diagnose.first_skip),
+    ("diagnose.strict", lambda c: c.diagnose.strict),
+    ("monitor.headroom", lambda c: c.monitor.headroom.every is not None),
+    ("rollback.triggers", lambda c: bool(c.rollback.triggers)),
+    ("scheduler_on_skip: step", lambda c: c.scheduler_on_skip == "step"),
+)
+"""The settings that need each step decided at the host (the exact path): they act on a
+skipped step's own batch or gradients, or on the state right after the trigger step."""
+
+
+def check_fast(config: Config, world_size: int = 1) -> None:
+    """``fast: true`` beside what the fast path cannot serve, one :class:`InputError` line: an
+    :data:`EXACT_ONLY` setting, ``optimizer.fused: false``, a world of several processes. From
+    the config and the world alone: ``--print-config`` refuses what ``train`` would.
+
+    Example::
+
+        >>> from ampguard.config import validate
+        >>> check_fast(validate({"fast": True, "optimizer": {"fused": False}}))
+        Traceback (most recent call last):
+        ...
+        ampguard.errors.InputError: fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and optimizer.fused is false: set one of them otherwise
+    """
+    if not config.fast:
+        return
+    blocking = next((name for name, on in EXACT_ONLY if on(config)), None)
+    if blocking is not None:
+        raise InputError(f"fast: true cannot serve {blocking}, which needs each step decided at the host "
+                         "(set fast: false)")
+    if config.optimizer.fused is False:
+        raise InputError("fast: true runs the fused optimizer (the sync-free step hands it the skip flag), and "
+                         "optimizer.fused is false: set one of them otherwise")
+    if world_size > 1:
+        raise InputError("fast: true runs in one process; under torchrun the step agrees with the other "
+                         "ranks at the host every step (set fast: false)")

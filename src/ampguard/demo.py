@@ -65,7 +65,7 @@ def demo_config(*, precision: str = "fp16", steps: int = 20, inject: list[str] |
 
 def run(config: Config, *, csv: str | None = None) -> ExitCode:
     """Print the set-up, train with a line per step, print the closing lines; ``csv`` must not exist."""
-    from . import distributed
+    from . import launch
     from .build import precision_of, resolve_device
     from .clipping import clip_threshold
     from .faults import parse_faults
@@ -83,10 +83,10 @@ def run(config: Config, *, csv: str | None = None) -> ExitCode:
                          "write through it")
     if csv_path is not None:
         check_folder_of(csv_path, f"--csv {csv_path}")  # as report --out
-    launched = distributed.launched_by_torchrun()  # (a stray WORLD_SIZE: refused before the set-up line)
+    launched = launch.launched_by_torchrun()  # (a stray WORLD_SIZE: refused before the set-up line)
     # refused before the set-up line too, against the processes torchrun started (a fault @rank1 of two
     # processes was refused as one aimed past a world of one: the group is joined later, in the run)
-    parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=distributed.launched_world_size())
+    parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=launch.launched_world_size())
     uses_scaler = precision_of(config, resolve_device(config.device)).uses_scaler
     scaler = f"GradScaler(init_scale={config.scaler.init_scale:g})" if uses_scaler else "no loss scaler"
     if not launched or os.environ.get("RANK") == "0":  # (under torchrun rank 0 prints, as the run's lines)

@@ -33,6 +33,15 @@ importing torch."""
 MAX_WINDOW = 10**7
 """The largest rolling window (``monitor.window``, ``rollback.window``, ``report --window``): each
 keeps a ring of that many numbers in memory."""
+DEFAULT_MIN_STEPS = 100
+"""Steps a :class:`~ampguard.monitor.RunMonitor` sees before its skip-rate ALERT is armed
+(``monitor.min_steps``; ``ampguard.monitor.DEFAULT_MIN_STEPS`` too). Here, as ``MAX_WINDOW``, so that
+the config is validated without importing torch.
+
+The fp16 scaler's search down from ``init_scale`` skips a handful of opening steps; over the
+first n steps k such skips read as a rate of k/n. At the default ``alert_rate`` 0.05, 100 steps
+dilute up to 5 of them to 5%, which is not above the threshold (20 would let 2 of them alert).
+"""
 
 
 def real_number(value: object) -> bool:

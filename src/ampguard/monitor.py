@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .clipping import clip_threshold
-from .errors import brief, counted, real_number, whole_number
+from .errors import DEFAULT_MIN_STEPS, brief, counted, real_number, whole_number
 from .precision import MAX_SCALE, finite_number, round_float32
 from .records import StepRecord
 
@@ -48,14 +48,6 @@ FAIL_NON_FINITE_UPDATE = "non_finite_update"
 rule: the step was not skipped): an update it applied made the weights non-finite."""
 FAIL_CAUSES: tuple[str, ...] = (FAIL_SKIP_RATE, FAIL_SCALE_COLLAPSE, FAIL_NON_FINITE_UPDATE)
 """Every cause a failure event can carry."""
-
-DEFAULT_MIN_STEPS = 100
-"""Steps a :class:`RunMonitor` sees before its skip-rate ALERT is armed (``monitor.min_steps``).
-
-The fp16 scaler's search down from ``init_scale`` skips a handful of opening steps; over the
-first n steps k such skips read as a rate of k/n. At the default ``alert_rate`` 0.05, 100 steps
-dilute up to 5 of them to 5%, which is not above the threshold (20 would let 2 of them alert).
-"""
 
 CLEAR_FRACTION = 0.8
 """A skip-rate ALERT clears when the judged rate falls to ``clear_rate`` or below, by default

@@ -16,46 +16,18 @@ import struct
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .errors import AmpguardWarning, brief, listed, real_number, user_stacklevel, whole_number, warn
-
-PrecisionName = Literal["fp16", "bf16", "fp32", "fp8"]
-PRECISIONS: tuple[str, ...] = ("fp16", "bf16", "fp32", "fp8")
-"""The precision names :class:`Precision` accepts (fp8 with the optional ``torchao`` extra)."""
-
-
-def uses_loss_scaler(name: object) -> bool:
-    """Whether precision ``name`` goes through a loss scaler (when ``scaler.enabled`` is null):
-    fp16 only. The rule :attr:`Precision.uses_scaler` and a resume's compare of configs share;
-    anything that is not a precision name (a hostile checkpoint's config) is False, never an
-    error: whoever reads such a config refuses it where it compares the precision itself.
-
-    Example::
-
-        >>> [uses_loss_scaler(n) for n in PRECISIONS], uses_loss_scaler("fp17"), uses_loss_scaler(["fp16"])
-        ([True, False, False, False], False, False)
-    """
-    return name == "fp16"
-
-
-def loss_scaler_runs(name: object, enabled: bool | None) -> bool:
-    """Whether a loss scaler runs under precision ``name`` with the setting ``enabled``: the
-    setting where given (``True`` only where one is used: refused elsewhere), else
-    :func:`uses_loss_scaler`. The one rule :attr:`Config.scaler_on <ampguard.config.Config.scaler_on>`,
-    :meth:`Precision.make_scaler` and the integrations' scaler defaults read.
-
-    Example::
-
-        >>> loss_scaler_runs("fp16", None), loss_scaler_runs("fp16", False), loss_scaler_runs("bf16", None)
-        (True, False, False)
-    """
-    return uses_loss_scaler(name) if enabled is None else bool(enabled)
+from .errors import AmpguardWarning, brief, listed, user_stacklevel, warn
+# (the names and rules a config is validated with, torch-free there; here as ever: precision.MAX_SCALE)
+from .precision_rules import (DEFAULT_MIN_SCALE, MAX_SCALE, PRECISIONS, PrecisionName,
+                              check_scaler_ranges, finite_number, loss_scaler_runs, scaler_range_problem,
+                              uses_loss_scaler)
 
 
 # fp8: torchao's Float8Linear layers matmul in float8; everything else runs under bf16 autocast
@@ -111,17 +83,6 @@ def _cpu_note(name: str) -> str | None:
             "100x slower than fp32's; fp32 trains faster here")
 
 
-DEFAULT_MIN_SCALE: float = torch.finfo(torch.float32).tiny
-"""The default floor of :class:`GuardedGradScaler`'s scale: 2**-126, the smallest normal float32.
-
-Any floor keeps the scale off 0 (0 would make every later step inf x 0 = NaN, skipped for
-ever); a normal one also keeps ``1 / scale`` (the unscale factor, float32) finite. A run's
-config sets a much higher floor, ``scaler.min_scale`` (default 1.0).
-"""
-
-
-MAX_SCALE: float = torch.finfo(torch.float32).max
-"""The largest loss scale a :class:`GuardedGradScaler` starts from: its scale is a float32 tensor."""
 
 
 def _check_min_scale(min_scale: float) -> float:
@@ -169,74 +130,12 @@ def scale_in_use(scaler: torch.amp.GradScaler) -> torch.Tensor | float:
     return float(scaler._init_scale) if scaler._scale is None else scaler._scale.detach().clone()
 
 
-def finite_number(value: object) -> bool:
-    """Whether ``value`` is a real number (an int or a float, not a bool) that is finite as a
-    float: what a checkpoint's settings and counters are checked with before they are used. An
-    int too large for a float is not one: it would raise ``OverflowError`` where it is used.
-
-    Example::
-
-        >>> [finite_number(v) for v in (1, 2.5, -3, float("inf"), float("nan"), True, "1", None, 10**400)]
-        [True, True, True, False, False, False, False, False, False]
-    """
-    if not real_number(value):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int past the largest float
-        return False
-
 
 _INT32_MAX = 2**31 - 1
 """The growth tracker is an int32 tensor: it counts no further."""
 _INT64_MAX = 2**63 - 1
 """``growth_interval`` goes to PyTorch's update kernel as an int64."""
 
-
-SCALER_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "init_scale": (lambda v: finite_number(v) and v > 0, "a finite number > 0"),
-    "growth_factor": (lambda v: finite_number(v) and v > 1, "a finite number > 1"),
-    "backoff_factor": (lambda v: finite_number(v) and 0 < v < 1, "in (0, 1)"),
-    "min_scale": (lambda v: finite_number(v) and v > 0, "a finite number > 0"),
-    "growth_interval": (lambda v: whole_number(v, 1), "a whole number >= 1"),
-}
-"""The loss scaler's settings' ranges, each ``(holds, what it must be)``: the one place they are
-written. :func:`check_scaler_ranges` applies them to a :class:`GuardedGradScaler` made directly,
-:meth:`Precision.make_scaler` (``Guard(scaler={...})``, the trainer) and a plain ``GradScaler``
-handed over; the config's validators and :meth:`GuardedGradScaler.check_state` (a checkpoint's,
-a ``Guard.load_state_dict``'s) ask :func:`scaler_range_problem`. A backoff of 0 pins the scale at
-the float32 floor after one skip (every later step "applied" with zero gradients), one >= 1 grows
-it on overflows, to inf (every later step skipped); a growth factor <= 1 never grows it or shrinks
-it; an interval of 0 never grows it."""
-
-
-def scaler_range_problem(name: str, value: Any) -> str | None:
-    """What the scaler setting ``name`` must be (``"must be ..."``), or None when ``value`` is in
-    its range (:data:`SCALER_RANGES`).
-
-    Example::
-
-        >>> scaler_range_problem("backoff_factor", 2.0), scaler_range_problem("growth_interval", 10)
-        ('must be in (0, 1)', None)
-    """
-    holds, want = SCALER_RANGES[name]
-    return None if holds(value) else f"must be {want}"
-
-
-def check_scaler_ranges(**settings: Any) -> None:
-    """Raise ``ValueError`` (``scaler NAME must be ..., got VALUE``) for the first of ``settings``
-    out of its range (:data:`SCALER_RANGES`), in their order there.
-
-    Example::
-
-        >>> check_scaler_ranges(growth_factor=2.0, backoff_factor=0.0)
-        Traceback (most recent call last):
-        ...
-        ValueError: scaler backoff_factor must be in (0, 1), got 0.0
-    """
-    for name in SCALER_RANGES:
-        if name in settings and (problem := scaler_range_problem(name, settings[name])):
-            raise ValueError(f"scaler {name} {problem}, got {settings[name]!r}")
 
 
 class _HandedOver:

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .config import Config, dump_config
 from .errors import AmpguardWarning, ExitCode, InputError, failed_because, shortened, shown, warn
 from .files import (STALE_AFTER_S, DiskFull, _running, _temporary_name, is_temporary, left_by_an_ended_process,
                     make_parents, my_uid, rename_onto_nothing, replace_atomically)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (none imported at run time: `train --print-config` refuses a taken folder without torch)
+    import torch
+
     from .monitor import RunMonitor
 
 try:
@@ -224,6 +224,46 @@ class RunPaths:
             why = failed_because(err)
             raise InputError(f"cannot create run folder {run_dir}: {why}") from None
         return paths
+
+    @staticmethod
+    def check_new(config: Config) -> None:
+        """What :meth:`new_run_dir` would refuse, found without making anything, so that ``train``
+        refuses it before it builds the task and the model (a second of work, and torch's import,
+        for a refusal): the folder ``log.name`` names exists (a run's: a killed start-up's is taken
+        over, as :meth:`new_run_dir` does), or ``log.dir`` cannot hold a new folder (a file on its
+        way, a name longer than the file system takes, a folder that cannot be written: the
+        lines :meth:`new_run_dir` says). What it finds only as it makes the folder (a full disk,
+        a run that takes the name meanwhile) it still refuses then.
+
+        Example::
+
+            >>> import shutil, tempfile
+            >>> from ampguard.config import validate
+            >>> root = Path(tempfile.mkdtemp())
+            >>> _ = (root / "a-file").write_text("")
+            >>> (root / "runs" / "a").mkdir(parents=True)
+            >>> for log_dir, name in ((root / "a-file" / "runs", "a"), (root / "runs", "a"), (root / "runs", "b")):
+            ...     try:
+            ...         RunPaths.check_new(validate({"log": {"dir": str(log_dir), "name": name}}))
+            ...     except InputError as err:
+            ...         print(str(err).replace(str(root), "ROOT"))
+            cannot create run folder ROOT/a-file/runs/a: Not a directory
+            run folder ROOT/runs/a already exists; choose another log.name
+            >>> shutil.rmtree(root)
+        """
+        run_dir = Path(config.log.dir) / (config.log.name or "x")
+        if config.log.name and run_dir.exists() and not _killed_start(run_dir):
+            raise taken(run_dir, _kept_because(run_dir))
+        there = next(folder for folder in run_dir.parents if _is_there(folder) or folder == Path(folder.anchor))
+        problem = errno.ENOTDIR if not there.is_dir() else None
+        if problem is None:
+            longest = max(len(os.fsencode(part)) for part in run_dir.relative_to(there).parts)
+            with contextlib.suppress(OSError, ValueError):
+                problem = errno.ENAMETOOLONG if longest > os.pathconf(there, "PC_NAME_MAX") else None
+        if problem is None and not os.access(there, os.W_OK | os.X_OK):  # (as check_writable, a resume's)
+            problem = errno.EACCES
+        if problem is not None:
+            raise InputError(f"cannot create run folder {run_dir}: {os.strerror(problem)}")
 
     def lock(self) -> None:
         """Hold the run folder for this process: one :class:`InputError` line when another process
@@ -497,6 +537,15 @@ RUN_ID_FILE = "run-id"
 """The file in a run folder that holds its id."""
 RUN_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 """A run id as ``run-id`` holds it and checkpoints carry it: a uuid4's 32 hex digits."""
+
+
+def _is_there(path: Path) -> bool:
+    """Whether ``path`` exists; a name it cannot have (too long) is not there, and is said as the
+    folder's making says it (:meth:`RunPaths.check_new`)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def _open_lock(path: Path) -> int | None:

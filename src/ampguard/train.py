@@ -24,13 +24,14 @@ from .trainer import Trainer
 def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_every: int,
         stats_every: int | None = None, print_fn: Callable[[str], None] = print, progress: bool = False,
         resume: ck.Resume | None = None, announce: Callable[[RunPaths], str] | None = None,
-        take_back: Callable[[], None] | None = None) -> RunResult:
+        take_back: Callable[[], None] | None = None, check_outputs: Callable[[], None] | None = None) -> RunResult:
     """Train until ``config.steps`` guarded steps, writing records, events, checkpoints and (with
     a run folder) the run card and plot. The console gets a step line every ``console_every``
     steps (and every skip), a ``STATS`` line every ``stats_every`` steps, and every alert.
 
     ``outputs()`` is called once everything that can reject the input has been built; it
-    creates whatever the run writes. So bad input leaves nothing behind. ``announce(paths)``,
+    creates whatever the run writes. So bad input leaves nothing behind. ``check_outputs()``, when
+    given, refuses what ``outputs()`` would, making nothing: before anything is built. ``announce(paths)``,
     when given, is the line printed once the outputs are open (the run folder's). ``take_back()``,
     when given, undoes what ``outputs()`` made when a stop signal ends the process while the main
     thread waits in C in the start-up (:func:`~ampguard.signals.opening`).
@@ -46,7 +47,8 @@ def run(config: Config, *, outputs: Callable[[], RunPaths] = RunPaths, console_e
     # (SIGTERM unwinds the build as Ctrl-C does; Trainer.run opens the outputs under its own)
     with opening(functools.partial(leave_now, take_back=take_back), distributed.PEERS):
         trainer = Trainer(config, outputs=outputs, console_every=console_every, stats_every=stats_every,
-                          print_fn=print_fn, progress=progress, resume=resume, announce=announce, take_back=take_back)
+                          print_fn=print_fn, progress=progress, resume=resume, announce=announce, take_back=take_back,
+                          check_outputs=check_outputs)
     return trainer.run()
 
 
@@ -141,6 +143,10 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
         held.append(paths)
         return paths
 
+    def check_outputs() -> None:  # (a resume's folder: find_resume checked it, that it is not written to and can be)
+        if resume is None:
+            RunPaths.check_new(config)
+
     def announce(paths: RunPaths) -> str:
         if resume is not None:
             return f"run folder: {paths.dir} (resuming from {resume.path.name}, step {resume.loaded.step})"
@@ -168,7 +174,7 @@ def train(config: Config, resume: ck.Resume | None = None) -> ExitCode:
     every = config.log.every
     try:
         result = run(config, outputs=outputs, console_every=every, stats_every=every, progress=True, resume=resume,
-                     announce=announce, take_back=take_back)
+                     announce=announce, take_back=take_back, check_outputs=check_outputs)
         distributed.ending()  # (the code is decided: torchrun's SIGTERM, once a peer left with it, must not change it)
         distributed.barrier()  # ranks leave together, once rank 0 has written the run card
         try:

@@ -27,7 +27,7 @@ from .build import (build_headroom, build_monitor, build_sinks, build_spike_dete
                     check_trainable, fast_path, keep_fp32_modules, precision_of, resolve_device)
 from .checkpoint import (checkpoint_step, child_exits_held, list_checkpoints, other_data, rng_snapshot, set_rng_state,
                          torch_rng_state)
-from .config import Config, plain_data
+from .config import Config, check_fast, plain_data
 from .data import DataStream, check_same_data
 from .errors import (AmpguardWarning, ExitCode, InputError, RankWarning, an_interrupt, counted, first_line, listed,
                      raised, warn, warn_each_time)
@@ -38,6 +38,7 @@ from .guards import (BAD_DATA, CRASHED, DISK_FULL, INTERRUPTED, FirstSkipDiagnos
                      Stop, TriggerBatches, restart_scale, rollback_reach)
 from .headroom import HEADROOM_COLUMNS, HEADROOM_CSV, Headroom, SkipGradNorms, check_headroom_rows
 from .integrations.trackers import TrackerSink, check_trackers
+from .launch import launched_by_torchrun
 from .monitor import AT_THE_END, Event, LossSpikeDetector, RunMonitor
 from .records import LAG, InFlight, StepRecord
 from .run_folder import RunPaths, RunResult, disk_full_line
@@ -139,7 +140,7 @@ class Trainer:
     def __init__(self, config: Config, *, outputs: Callable[[], RunPaths], console_every: int,
                  stats_every: int | None, print_fn: Callable[[str], None], progress: bool,
                  resume: ck.Resume | None, announce: Callable[[RunPaths], str] | None = None,
-                 take_back: Callable[[], None] | None = None) -> None:
+                 take_back: Callable[[], None] | None = None, check_outputs: Callable[[], None] | None = None) -> None:
         self.config, self.outputs, self.resume, self.announce = config, outputs, resume, announce
         self.take_back = take_back  # undoes what outputs() made: a stop while opening ended the process
         self.stop_flag = StopFlag()  # run()'s, once it installs the signal handlers
@@ -150,7 +151,7 @@ class Trainer:
         self._handoff = threading.Lock()  # who closes the run: the main thread, or the stuck-watcher (_stuck)
         self._taken_over = False  # the stuck-watcher closes this rank and ends the process
         self.console_every, self.stats_every, self.print_fn, self.progress = console_every, stats_every, print_fn, progress
-        if distributed.launched_by_torchrun():
+        if launched_by_torchrun():
             self.dist, self.device = distributed.init_from_env(config.device)
             # every rank trains with rank 0's config and resumes from its checkpoint, checked before
             # anything else (one line on every rank; one all-gather for both)
@@ -161,18 +162,25 @@ class Trainer:
             self.dist, self.device = distributed.DistInfo(), resolve_device(config.device)
         # (a refusal on one rank alone, a node's own file missing for its factory, is every rank's:
         # signals.opening leaves its line in the store for the peers: review 51g)
+        # what the config, the checkpoint and the run folder refuse, before anything is built (the task and its
+        # data, the model, its forward check, a compile: seconds of work for a refusal)
+        self.policy_new: list[dict[str, Any]] = []
         if resume is not None:
             ck.check_resume(resume, config, self.dist.world_size, self.dist.rank)
+            self.policy_new = ck.policy_changes(resume, config)
+            ck.check_left_to_train(resume, config, self.policy_new)  # (a finished run's)
+        check_fast(config, self.dist.world_size)
         faults = parse_faults(config.inject, seed=config.seed, steps=config.steps, world_size=self.dist.world_size)
+        self._check_outputs(check_outputs)
+        if config.log.tensorboard:
+            TensorBoardSink.require()
+        check_trackers(config)  # log.wandb / log.mlflow: the package is there, the MLflow store opens
         self.task = _build_task(config, self.dist.world_size)
         if config.task.factory and not self.task.model.training:  # (each module trains in the mode it was left in)
             warn(f"task.factory {config.task.factory}: the model is in eval mode (dropout off, BatchNorm "
                  "statistics frozen) and trains so: call model.train() in the factory to train it in train "
                  "mode", RankWarning, stacklevel=2)
         check_nan_input(self.task, faults)
-        if config.log.tensorboard:
-            TensorBoardSink.require()
-        check_trackers(config)  # log.wandb / log.mlflow: the package is there, the MLflow store opens
         model = self.task.model.to(self.device)
         keep_fp32_modules(config, model)  # (before the start-up's check: its forward records them)
         self.injector = FaultInjector(faults, config.accumulation_steps, rank=self.dist.rank)
@@ -247,14 +255,11 @@ class Trainer:
             ck.lrs_from_schedule(self.state.optimizer, self.state.scheduler)
         # settings changed on resume: applied where the checkpoint brought the old ones back, recorded
         self.policy = list(resume.loaded.payload.get(ck.POLICY) or []) if resume is not None else []
-        self.policy_new = ck.policy_changes(resume, config) if resume is not None else []
         # a training run's settings (not validate's nor locate's), said once: by the run, or by the resume that
         # gave them (review 52l: eval.batches set on a resume was a POLICY line, as if it took effect)
         if (resume is None or any(c["key"] in ("eval.every", "eval.batches") for c in self.policy_new)) and (
                 unread := eval_unread(config, self.task)):
             warn(unread, AmpguardWarning, stacklevel=2)
-        if resume is not None:
-            ck.check_left_to_train(resume, config, self.policy_new)
         # the next step's LR, as the checkpoint's schedule left it (its get_last_lr: on the fast path,
         # where the group's LR is the last step's, brought up to date at the save) and as now set
         lr_before = self._next_lr()
@@ -292,6 +297,21 @@ class Trainer:
             warn(f"rollback.triggers: val_regression compares each evaluation with the best before it, and "
                  f"this run evaluates once (eval.every {every}, steps {config.steps}): it rolls back only on "
                  "a non-finite metric", AmpguardWarning, stacklevel=2)
+
+    def _check_outputs(self, check: Callable[[], None] | None) -> None:
+        """``check()``: what ``outputs()`` would refuse (a run folder that exists, a ``log.dir`` that
+        cannot hold one: :meth:`RunPaths.check_new <ampguard.run_folder.RunPaths.check_new>`), made
+        before anything is built, nothing created; rank 0's, as ``outputs()`` is, refused on every
+        rank (review 60b: a taken folder was refused after the model's forward check)."""
+        problem = None
+        if check is not None and self.dist.is_main:
+            try:
+                check()
+            except InputError as err:
+                problem = str(err)
+        problem = distributed.first_error(problem)
+        if problem is not None:
+            raise InputError(problem)
 
     def _next_lr(self) -> float | None:
         """The LR the next step takes from the schedule (``None`` without a scheduler)."""
