@@ -1104,6 +1104,7 @@ def check_scaler_settings(precision: str, settings: Mapping[str, Any]) -> None:
 
         >>> check_scaler_settings("fp16", {"init_scale": 1024.0, "min_scale": 1.0})
         >>> check_scaler_settings("bf16", {"enabled": False})
+        >>> import warnings
         >>> with warnings.catch_warnings(record=True) as said:
         ...     warnings.simplefilter("always")
         ...     check_scaler_settings("bf16", {"init_scale": 4.0, "enabled": False})

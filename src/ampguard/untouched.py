@@ -547,6 +547,7 @@ def _attributes_warned(snapshot: BufferSnapshot, by: str, model: torch.nn.Module
         ...         return super().forward(x)
         >>> model = Counting(2, 1)
         >>> model.calls, model.seen = 5, torch.zeros(1)
+        >>> import warnings
         >>> with warnings.catch_warnings(record=True) as said:
         ...     warnings.simplefilter("always")
         ...     with untouched(model):
