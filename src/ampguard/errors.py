@@ -680,13 +680,13 @@ def as_made(folder: Path) -> Reached:
                 return Reached(step, tuple(made_in), step, k == len(parts))
             if at not in made_in:
                 made_in.append(at)
-        if _name_too_long(made_in[-1], part):  # (a part to be made: no stat said it was too long)
+        if name_too_long(made_in[-1], part):  # (a part to be made: no stat said it was too long)
             raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), os.fspath(step))
         at, made = step, made + 1
     return Reached(at, tuple(made_in), None, False)
 
 
-def _name_too_long(parent: Path, name: str) -> bool:
+def name_too_long(parent: Path, name: str) -> bool:
     """Whether ``name`` is longer than a folder's name in ``parent`` may be: its file system's
     ``NAME_MAX`` bytes (``os.pathconf``), else 255; where there is no ``os.pathconf`` (Windows, whose
     ``os`` lacks it: review 55o, a new ``out_dir`` was an ``AttributeError``), 255 UTF-16 code units,
@@ -694,7 +694,7 @@ def _name_too_long(parent: Path, name: str) -> bool:
 
     Example::
 
-        >>> _name_too_long(Path("."), "x" * 255), _name_too_long(Path("."), "x" * 256)
+        >>> name_too_long(Path("."), "x" * 255), name_too_long(Path("."), "x" * 256)
         (False, True)
     """
     pathconf = getattr(os, "pathconf", None)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import Config, dump_config
-from .errors import AmpguardWarning, ExitCode, InputError, failed_because, shortened, shown, warn
+from .errors import AmpguardWarning, ExitCode, InputError, failed_because, name_too_long, shortened, shown, warn
 from .files import (STALE_AFTER_S, DiskFull, _running, _temporary_name, is_temporary, left_by_an_ended_process,
                     make_parents, my_uid, rename_onto_nothing, replace_atomically)
 
@@ -256,10 +256,8 @@ class RunPaths:
             raise taken(run_dir, _kept_because(run_dir))
         there = next(folder for folder in run_dir.parents if _is_there(folder) or folder == Path(folder.anchor))
         problem = errno.ENOTDIR if not there.is_dir() else None
-        if problem is None:
-            longest = max(len(os.fsencode(part)) for part in run_dir.relative_to(there).parts)
-            with contextlib.suppress(OSError, ValueError):
-                problem = errno.ENAMETOOLONG if longest > os.pathconf(there, "PC_NAME_MAX") else None
+        if problem is None and any(name_too_long(there, part) for part in run_dir.relative_to(there).parts):
+            problem = errno.ENAMETOOLONG  # (as errors.as_made finds it: NAME_MAX, or on Windows NTFS's 255)
         if problem is None and not os.access(there, os.W_OK | os.X_OK):  # (as check_writable, a resume's)
             problem = errno.EACCES
         if problem is not None:
