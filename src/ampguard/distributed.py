@@ -553,12 +553,22 @@ def first_error(message: str | None) -> str | None:
     met a problem on their own share (their slice of a batch, a file they read) refuse or stop
     together instead of one leaving the others waiting in a collective.
 
+    A rank that has a ``message`` returns it when the collective itself fails (a peer that
+    crashed or never came: gloo's "Connection closed by peer", a timeout): its refusal is the
+    line its user must read, where the transport's traceback was all it showed.
+
     Example (no process group)::
 
         >>> first_error(None), first_error("bad batch")
         (None, 'bad batch')
     """
-    return next((m for m in all_gather(message) if m is not None), None)
+    try:
+        gathered = all_gather(message)
+    except Exception:
+        if message is None:
+            raise
+        return message
+    return next((m for m in gathered if m is not None), None)
 
 
 @contextlib.contextmanager
@@ -569,7 +579,10 @@ def refused_on_every_rank() -> Iterator[None]:
     framework's first collective: "Connection closed by peer", under NCCL a wait). The rank that
     failed raises its own error; the others an :class:`InputError` with its words when it was
     bad input, else a ``RuntimeError`` naming the rank (a full disk, a bug). Every rank must
-    enter it, whatever it does inside (a collective at its end).
+    enter it, whatever it does inside (a collective at its end). The rank that failed raises its
+    own error even when that collective fails (a peer that crashed or never came: gloo's
+    "Connection closed by peer", a timeout), the transport's words a note on it: its one line,
+    exit 2, was lost to a gloo traceback.
 
     Example (no process group)::
 
@@ -586,9 +599,16 @@ def refused_on_every_rank() -> Iterator[None]:
     except Exception as err:  # (held until every rank has it: below)
         failed = err
     said = None if failed is None else (isinstance(failed, InputError), first_line(str(failed)) or repr(failed))
-    seen = next(((rank, s) for rank, s in enumerate(all_gather(said)) if s is not None), None)
+    try:
+        gathered = all_gather(said)
+    except Exception as err:
+        if failed is None:
+            raise
+        failed.add_note(f"ampguard: the other ranks could not be told of it: {first_line(err, with_type=True)}")
+        gathered = []  # (raised just below, as it was met: its own cause and context kept)
     if failed is not None:
         raise failed
+    seen = next(((rank, s) for rank, s in enumerate(gathered) if s is not None), None)
     if seen is not None:
         rank, (bad_input, message) = seen
         raise InputError(message) if bad_input else RuntimeError(f"rank {rank} failed: {message}")
