@@ -63,7 +63,9 @@ def _check_every_rank_refused(done: Ended, refusals: list[str], trained: str) ->
     assert sorted(stderr) == [0, 1], (done.stderr[-3000:], list((done.cwd / "logs").rglob("*")))
     for rank, text in stderr.items():
         lines = [line for line in text.splitlines() if line.startswith("ampguard: error:")]
-        assert lines == [f"ampguard: error: {refusal}" for refusal in refusals], (rank, text[-4000:])
+        # (every rank's tail: a line missing here is often another rank's crash, told in its own stderr)
+        assert lines == [f"ampguard: error: {refusal}" for refusal in refusals], (rank, {r: t[-3000:] for r, t in
+                                                                                   stderr.items()})
         crashed = [words for words in PEER_CRASH if words in text]
         assert not crashed, (rank, crashed, text[-4000:])
     assert _exit_codes(done) == {0: 2, 1: 2}, done.stderr[-3000:]  # ExitCode.BAD_INPUT, on every rank
