@@ -321,7 +321,8 @@ def _refused_before_the_run(config: Any, resume: Any, *, printed: bool) -> None:
     is imported (review 60b); under torchrun its trainer does, every rank alike (rank 0's run
     folder). What only the built task or model can refuse (a fault the task's data cannot take,
     an ``fp32_modules`` name the model lacks, a ``rollback.val_metric`` the task does not report,
-    a resume whose logs differ) is refused when ``train`` starts: ``--print-config`` builds nothing (review 58a: building the start-up calls a factory, loads its model and runs a
+    a resume whose logs differ) is refused when ``train`` starts: ``--print-config`` builds
+    nothing (review 58a: building the start-up calls a factory, loads its model and runs a
     forward, the time and memory of a run's start, for a command that prints a config)."""
     from .config import check_fast
     from .fault_specs import parse_faults

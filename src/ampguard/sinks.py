@@ -287,8 +287,13 @@ def extra_number(text: str, column: str, where: str) -> float | None:
 
         >>> extra_number("9007199254740993", "tokens", "line 2"), extra_number("0.5", "val_loss", "line 2")
         (9007199254740993, 0.5)
+        >>> extra_number("9" * 5000, "tokens", "line 2")  # (past Python's digits for int(): as before, a float)
+        inf
     """
-    return int(text) if _WHOLE.fullmatch(text) else csv_number(text, column, where)
+    if _WHOLE.fullmatch(text):
+        with contextlib.suppress(ValueError):  # (more digits than int() converts: sys.get_int_max_str_digits)
+            return int(text)
+    return csv_number(text, column, where)
 
 
 def read_steps_csv(path: str | Path) -> list[Row]:
