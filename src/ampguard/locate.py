@@ -1617,7 +1617,7 @@ def _replay(config: Any, *, step: int, batch: str | None, checkpoint: str | None
     else:
         n = config.accumulation_steps
         if saved is not None and saved["step"] < step:  # (one saved at or after the step: its position is not used)
-            for key in (DATA, ROLLBACKS, POLICY):  # (an int >= 0: where the run's data went on after it)
+            for key in (DATA, ROLLBACKS, POLICY):  # (the position an int >= 0, where the run's data went on after it)
                 check_field(checkpoint, saved, key)
             # within what its steps could have taken, as a resume checks it: a task that cannot seek
             # (a factory without batches_from) reads the stream up to it, a hand-edited 10**15 for ever
