@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
-from .errors import (AmpguardWarning, InputError, brief, counted, failed_because, first_line, has_control, plain_digits,
+from .errors import (InputError, RankWarning, brief, counted, failed_because, first_line, has_control, plain_digits,
                      shortened, shown, whole_number, warn)
 from .files import DiskFull, disk_full_error, is_temporary, open_to_append, replace_atomically, writing
 from .records import LABEL_COLUMNS, SKIP_REASONS, StepRecord, format_number, format_value, record_from, strict_json
@@ -896,8 +896,9 @@ class _LineFile:
                 return
             if os.fstat(fd).st_size > keep:  # (only ever shorter: a file made anew meanwhile is not padded)
                 os.ftruncate(fd, keep)
+        # (this process's own file, a loop's may be rank 1's: said by the rank that holds it, RankWarning)
         warn(f"{self.path}: its last line was torn ({counted(end - keep, 'byte')} without a newline: a "
-             "kill mid-write?): cut off before appending", AmpguardWarning, stacklevel=2)
+             "kill mid-write?): cut off before appending", RankWarning, stacklevel=2)
 
     def _write_line(self, line: str) -> None:
         """Append ``line`` (:class:`DiskFull` when there is no room)."""

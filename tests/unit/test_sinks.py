@@ -191,6 +191,22 @@ def test_append_alone_cuts_a_torn_last_line_instead_of_finishing_it(tmp_path, ki
     assert path.read_text(encoding="utf-8") == text
 
 
+def test_a_torn_line_is_said_by_the_rank_whose_file_it_is(tmp_path, monkeypatch):
+    # A sink's file is the process's that holds it (a loop of yours may give rank 1 its own steps.csv):
+    # under torchrun the line about it is that rank's, labelled (a RankWarning), not rank 0's to say,
+    # which left it unsaid on rank 1 and its file cut back without a word
+    from ampguard.errors import RankWarning
+
+    path = tmp_path / "steps_rank1.csv"
+    with CsvSink(path) as sink:
+        sink.write(applied(1))
+    path.write_bytes(path.read_bytes()[:-5])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.warns(RankWarning, match=r"^rank 1: .*steps_rank1\.csv: its last line was torn"):
+        CsvSink(path, append=True).close()
+
+
 def test_append_alone_finishes_a_header_whose_newline_was_never_written(tmp_path):
     # (review: the cut of a torn last line emptied a file that held the header alone, and no header
     # was written again: the next row stood where the header should be)
