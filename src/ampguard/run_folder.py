@@ -171,11 +171,11 @@ class RunPaths:
         if config.log.name:
             names = iter([config.log.name])
         else:  # a timestamp, made unique when another run started in the same second
-            stamp = time.strftime("%Y%m%d-%H%M%S")
+            stamp = _stamp()
             names = itertools.chain([stamp], (f"{stamp}-{n}" for n in itertools.count(2)))
         run_dir = Path(config.log.dir) / next(names)
-        if config.log.name and run_dir.exists() and not _killed_start(run_dir):
-            raise taken(run_dir, _kept_because(run_dir))
+        if config.log.name:
+            _refuse_taken(run_dir)
         created: list[Path] = []
         staged: RunPaths | None = None
         run_id: str | None = None
@@ -231,8 +231,9 @@ class RunPaths:
         refuses it before it builds the task and the model (a second of work, and torch's import,
         for a refusal): the folder ``log.name`` names exists (a run's: a killed start-up's is taken
         over, as :meth:`new_run_dir` does), or ``log.dir`` cannot hold a new folder (a file on its
-        way, a name longer than the file system takes, a folder that cannot be written: the
-        lines :meth:`new_run_dir` says). What it finds only as it makes the folder (a full disk,
+        way, a link on it that leads nowhere or round in a loop, a name or path longer than the
+        file system takes, a folder that cannot be written or searched: the lines :meth:`new_run_dir`
+        says, the folder named as it names it, a timestamp without ``log.name``). What it finds only as it makes the folder (a full disk,
         a run that takes the name meanwhile) it still refuses then.
 
         Example::
@@ -251,11 +252,16 @@ class RunPaths:
             run folder ROOT/runs/a already exists; choose another log.name
             >>> shutil.rmtree(root)
         """
-        run_dir = Path(config.log.dir) / (config.log.name or "x")
-        if config.log.name and run_dir.exists() and not _killed_start(run_dir):
-            raise taken(run_dir, _kept_because(run_dir))
-        there = next(folder for folder in run_dir.parents if _is_there(folder) or folder == Path(folder.anchor))
-        problem = errno.ENOTDIR if not there.is_dir() else None
+        run_dir = Path(config.log.dir) / (config.log.name or _stamp())  # (named as the making names it)
+        if config.log.name:
+            _refuse_taken(run_dir)
+        # the deepest folder on the way that is there: a link there that leads nowhere (or round in a
+        # loop) is what the making meets as it makes the folder below it, a missing one or a loop
+        there = next(folder for folder in run_dir.parents if os.path.lexists(folder) or folder == Path(folder.anchor))
+        try:
+            problem = errno.ENOTDIR if not stat.S_ISDIR(os.stat(there).st_mode) else None
+        except OSError as err:
+            problem = err.errno
         if problem is None and any(name_too_long(there, part) for part in run_dir.relative_to(there).parts):
             problem = errno.ENAMETOOLONG  # (as errors.as_made finds it: NAME_MAX, or on Windows NTFS's 255)
         if problem is None and not os.access(there, os.W_OK | os.X_OK):  # (as check_writable, a resume's)
@@ -537,13 +543,22 @@ RUN_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 """A run id as ``run-id`` holds it and checkpoints carry it: a uuid4's 32 hex digits."""
 
 
-def _is_there(path: Path) -> bool:
-    """Whether ``path`` exists; a name it cannot have (too long) is not there, and is said as the
-    folder's making says it (:meth:`RunPaths.check_new`)."""
+def _stamp() -> str:
+    """A new run folder's name when ``log.name`` gives none: the time it starts."""
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _refuse_taken(run_dir: Path) -> None:
+    """Refuse a new run at ``run_dir`` that exists (:func:`taken`; a killed start-up's is taken
+    over), or whose look fails: a path longer than the OS takes, a folder on the way that cannot
+    be searched; one line, as the making says it (it was a raw ``OSError``: a traceback from the
+    library, under torchrun rank 0's alone)."""
     try:
-        return path.exists()
-    except OSError:
-        return False
+        there = run_dir.exists()
+    except OSError as err:
+        raise InputError(f"cannot create run folder {run_dir}: {failed_because(err)}") from None
+    if there and not _killed_start(run_dir):
+        raise taken(run_dir, _kept_because(run_dir))
 
 
 def _open_lock(path: Path) -> int | None:
