@@ -292,13 +292,21 @@ def _found_resume(given: str) -> Any:
 
 
 def _import_torch() -> None:
-    """Import torch with stop signals held (``held_signals``): a Ctrl-C inside its import could be
-    swallowed or break numpy; after it a signal stops the verb. Every verb's first step
+    """Import torch with stop signals held (:func:`_import_held`). Every verb's first step
     (:func:`main`) but ``train``'s, which refuses what it can first (:func:`_needs_torch`)."""
+    _import_held("torch")
+
+
+def _import_held(*modules: str) -> None:
+    """Import ``modules`` with stop signals held (``held_signals``): a Ctrl-C inside an import
+    could be swallowed or break numpy (torch's), or come out of pydantic's schema building, as
+    the config module is imported, wrapped in a ``SchemaError`` (exit 1 and a traceback; review
+    60f); after the block a signal stops the verb."""
     from .signals import held_signals
 
     with held_signals():
-        importlib.import_module("torch")
+        for module in modules:
+            importlib.import_module(module)
 
 
 def _spike_as_inject(args: argparse.Namespace, verb: str = "train") -> None:
@@ -899,8 +907,8 @@ def main(argv: Sequence[str] | None = None, *, settle: bool = False) -> int:
             args, extra = build_parser().parse_known_args(argv)
             if extra:  # (argparse's own line did not name the verb, as every other usage error does)
                 raise InputError(f"{args.verb}: unrecognized arguments: {' '.join(extra)}")
-            if _needs_torch(args):
-                _import_torch()
+            # torch for every verb but train (it refuses what it can first), the config's schemas for all
+            _import_held(*(("torch",) if _needs_torch(args) else ()), "ampguard.config")
             with warnings.catch_warnings():  # restores the caller's filters (main() runs in-process in tests)
                 # (the CPU demo is fp16 on purpose: quiet)
                 held = _slow_precision_in_one_line(quiet=args.func is _demo, console=console)
