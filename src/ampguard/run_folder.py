@@ -232,9 +232,10 @@ class RunPaths:
         for a refusal): the folder ``log.name`` names exists (a run's: a killed start-up's is taken
         over, as :meth:`new_run_dir` does), or ``log.dir`` cannot hold a new folder (a file on its
         way, a link on it that leads nowhere or round in a loop, a name or path longer than the
-        file system takes, a folder that cannot be written or searched: the lines :meth:`new_run_dir`
-        says, the folder named as it names it, a timestamp without ``log.name``). What it finds only as it makes the folder (a full disk,
-        a run that takes the name meanwhile) it still refuses then.
+        file system takes, a folder that cannot be written or searched: the lines
+        :meth:`new_run_dir` says, the folder named as it names it, a timestamp without
+        ``log.name``). What it finds only as it makes the folder (a full disk, a run that takes the
+        name meanwhile) it still refuses then.
 
         Example::
 
