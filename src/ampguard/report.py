@@ -91,10 +91,34 @@ def _plain_log_formatter() -> type:
     return PlainLogFormatter
 
 
+PLAIN_LABEL_GLYPHS = "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b\u00d7\u2212"
+"""What :func:`plain_log_label` writes beyond digits: the font the labels are drawn in must have each."""
+
+
+def plain_labels_drawable() -> bool:
+    """Whether the font matplotlib draws tick labels in (``font.family`` of its settings: a
+    notebook's or a style's own) has every glyph of :data:`PLAIN_LABEL_GLYPHS`: matplotlib's
+    DejaVu Sans does; Computer Modern (``cmr10``) or STIX would draw boxes, where math text drew
+    the superscripts itself (review 60: then the log axes keep math text)."""
+    from matplotlib import font_manager
+
+    return _has_glyphs(font_manager.findfont(font_manager.FontProperties()))
+
+
+@functools.cache
+def _has_glyphs(path: str) -> bool:
+    from matplotlib.ft2font import FT2Font
+
+    font = FT2Font(path)
+    return all(font.get_char_index(ord(c)) for c in PLAIN_LABEL_GLYPHS)
+
+
 def log_y(ax: Any, label: str, scale: str = "log") -> None:
     """``ax``'s y axis on a ``scale`` ("log" or "symlog"), labelled ``label``: the formatters
     matplotlib's scale sets (base 10; a log axis labels its minor ticks where a decade is wide
-    enough, a symlog axis none), their labels plain text (:func:`plain_log_label`).
+    enough, a symlog axis none), their labels plain text (:func:`plain_log_label`) where the
+    labels' font can draw them (:func:`plain_labels_drawable`), else math text as matplotlib
+    writes them.
 
     Example::
 
@@ -103,12 +127,14 @@ def log_y(ax: Any, label: str, scale: str = "log") -> None:
         >>> [t.get_text() for t in a.get_yticklabels() if t.get_text()][:3], a.get_ylabel()
         (['10⁻⁴', '10⁻³', '10⁻²'], 'norm (log)')
     """
-    formatter = _plain_log_formatter()
     ax.set_yscale(scale)
+    ax.set_ylabel(label)
+    if not plain_labels_drawable():
+        return
+    formatter = _plain_log_formatter()
     ax.yaxis.set_major_formatter(formatter(10))
     if scale == "log":
         ax.yaxis.set_minor_formatter(formatter(10, labelOnlyBase=False))
-    ax.set_ylabel(label)
 
 
 _TENSOR_TEXT = re.compile(r"tensor\(\s*\[*\s*[-+]?(\d|\.\d|inf|nan)")

@@ -113,3 +113,21 @@ def test_the_log_axes_label_their_ticks_as_matplotlib_does_in_plain_text():
             assert any("×10⁻¹" in text for text in shown)
         if scale == "symlog":
             assert "0" in shown and any(text.startswith("−10") for text in shown)
+
+
+def test_a_font_without_the_superscripts_keeps_math_text():
+    """A notebook's or a style's font (Computer Modern, STIX) lacks the superscript glyphs the
+    plain labels are written with: drawn, they were boxes; the log axes keep math text there."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    from ampguard.report import _plain_log_formatter, log_y, new_figure, plain_labels_drawable
+
+    fig, (plain, kept) = new_figure(2, (4.0, 4.0))
+    assert plain_labels_drawable()  # (matplotlib's own DejaVu Sans)
+    log_y(plain, "y (log)")
+    with matplotlib.rc_context({"font.family": "cmr10"}):
+        assert not plain_labels_drawable()
+        log_y(kept, "y (log)")
+    assert type(plain.yaxis.get_major_formatter()) is _plain_log_formatter()
+    assert type(kept.yaxis.get_major_formatter()) is LogFormatterSciNotation
+    assert (kept.get_yscale(), kept.get_ylabel()) == ("log", "y (log)")
