@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from .errors import (
     MAX_COUNT, MAX_WINDOW, AmpguardWarning, ConfigError, ExitCode, InputError, an_interrupt, counted, failed_because,
-    has_control, interrupt_in, one_line, plain_digits, shortened, shown, warn,
+    has_control, interrupt_in, one_line, plain_digits, process_rank, shortened, shown, warn,
 )
 
 
@@ -824,15 +824,8 @@ def _another_rank() -> tuple[int, int] | None:
         ...     _another_rank() is None
         True
     """
-    from .launch import _LAUNCH_VARIABLES
-
-    if not all(os.environ.get(name) for name in _LAUNCH_VARIABLES):  # (torchrun's, beside WORLD_SIZE)
-        return None
-    try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return None
-    return (rank, world) if world > 1 and 0 < rank < world else None
+    rank, world = process_rank()  # (the process group is never joined in a verb's process: torchrun's variables)
+    return (rank, world) if rank != 0 else None
 
 
 def entry() -> int:

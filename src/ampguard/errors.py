@@ -190,28 +190,41 @@ class RankWarning(AmpguardWarning):
 
 def process_rank() -> tuple[int, int]:
     """``(rank, world size)`` of this process: the process group's once one is joined (torchrun's
-    or a launcher's own), else torchrun's ``RANK`` and ``WORLD_SIZE`` (set before any group is);
-    ``(0, 1)`` in a world of one. The one place ampguard's warnings learn the rank
-    (:func:`warn`); torch is not imported for it.
+    or a launcher's own), else torchrun's ``RANK`` and ``WORLD_SIZE`` (set before any group is)
+    where torchrun set the variables it sets beside them (``MASTER_ADDR``, ``MASTER_PORT``: a
+    ``RANK`` and ``WORLD_SIZE`` left in the environment alone, or values that do not read as a
+    rank of that world, are no launch; review 51k); ``(0, 1)`` in a world of one. The one place
+    ampguard learns the rank from the environment (its warnings, :func:`warn`; the CLI's verbs
+    that run on rank 0 alone); torch is not imported for it.
 
     Example::
 
         >>> import unittest.mock
-        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+        >>> torchrun = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+        >>> with unittest.mock.patch.dict(os.environ, torchrun):
         ...     process_rank()
         (1, 2)
-        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "3"}):
+        >>> with unittest.mock.patch.dict(os.environ, {**torchrun, "WORLD_SIZE": "1", "RANK": "3"}):
+        ...     process_rank()
+        (0, 1)
+        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):  # (a leftover pair)
+        ...     for name in ("MASTER_ADDR", "MASTER_PORT"):
+        ...         _ = os.environ.pop(name, None)
         ...     process_rank()
         (0, 1)
     """
+    from .launch import _LAUNCH_VARIABLES  # (launch imports this module: here, not at its top)
+
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    if not all(os.environ.get(name) for name in _LAUNCH_VARIABLES):  # (torchrun's, beside WORLD_SIZE)
+        return 0, 1
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        return (int(os.environ.get("RANK", "0")), world) if world > 1 else (0, 1)
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:  # (torchrun's variables, spoilt: refused in one line where a run starts)
         return 0, 1
+    return (rank, world) if world > 1 and 0 <= rank < world else (0, 1)
 
 
 def said_here(message: str | Warning, category: type[Warning]) -> str | Warning | None:
@@ -223,7 +236,8 @@ def said_here(message: str | Warning, category: type[Warning]) -> str | Warning 
     Example::
 
         >>> import unittest.mock
-        >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1"}):
+        >>> torchrun = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+        >>> with unittest.mock.patch.dict(os.environ, torchrun):
         ...     said_here("steps 3 < warmup 5", AmpguardWarning), str(said_here("its data...", RankWarning))
         (None, 'rank 1: its data...')
     """

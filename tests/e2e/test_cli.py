@@ -236,8 +236,11 @@ def test_slow_precision_is_one_line_for_train_and_silent_for_the_demo(cli, tmp_p
             Precision("fp16", "cpu").check(torch.nn.Linear(2, 2), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("rank, world, shown", [("1", "2", False), ("0", "2", True), ("1", "1", True), ("", "", True)])
-def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, world, shown):
+@pytest.mark.parametrize("rank, world, launched, shown", [
+    ("1", "2", True, False), ("0", "2", True, True), ("1", "1", True, True), ("", "", True, True),
+    ("1", "2", False, True),  # (a RANK and WORLD_SIZE left in the environment alone: no launch, review 51k)
+])
+def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, world, launched, shown):
     # every rank runs the same config on the same global stream: each warning came once per rank;
     # one about a rank's own state is that rank's, labelled (errors.warn decides, the one place)
     import contextlib
@@ -248,6 +251,11 @@ def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, w
 
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", world)
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):  # (torchrun sets them beside)
+        if launched:
+            monkeypatch.setenv(name, value)
+        else:
+            monkeypatch.delenv(name, raising=False)
     err, passed = io.StringIO(), []
     kept = warnings.showwarning
     try:
@@ -262,7 +270,7 @@ def test_under_torchrun_only_rank_0_says_ampguards_warnings(monkeypatch, rank, w
         warnings.showwarning = kept
     lines = err.getvalue().splitlines()
     assert ("ampguard: warning: the schedule's warmup is longer than the run" in lines) is shown
-    label = f"rank {rank}: " if world == "2" else ""
+    label = f"rank {rank}: " if world == "2" and launched else ""
     assert f"ampguard: warning: {label}its data read again gave another first batch" in lines
     assert passed == [UserWarning]  # (handed on to Python's own, whatever the rank)
 

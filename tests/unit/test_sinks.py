@@ -201,8 +201,8 @@ def test_a_torn_line_is_said_by_the_rank_whose_file_it_is(tmp_path, monkeypatch)
     with CsvSink(path) as sink:
         sink.write(applied(1))
     path.write_bytes(path.read_bytes()[:-5])
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # (rank 1 of 2, as torchrun starts it)
     with pytest.warns(RankWarning, match=r"^rank 1: .*steps_rank1\.csv: its last line was torn"):
         CsvSink(path, append=True).close()
 
