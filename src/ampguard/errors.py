@@ -188,6 +188,12 @@ class RankWarning(AmpguardWarning):
     (:func:`warn`)."""
 
 
+LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets beside ``WORLD_SIZE`` (what the env:// rendezvous reads): a launch has
+them all (:func:`process_rank`; :func:`ampguard.launch.launched_by_torchrun` refuses a
+``WORLD_SIZE`` > 1 without one)."""
+
+
 def process_rank() -> tuple[int, int]:
     """``(rank, world size)`` of this process: the process group's once one is joined (torchrun's
     or a launcher's own), else torchrun's ``RANK`` and ``WORLD_SIZE`` (set before any group is)
@@ -213,12 +219,10 @@ def process_rank() -> tuple[int, int]:
         ...     process_rank()
         (0, 1)
     """
-    from .launch import _LAUNCH_VARIABLES  # (launch imports this module: here, not at its top)
-
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if not all(os.environ.get(name) for name in _LAUNCH_VARIABLES):  # (torchrun's, beside WORLD_SIZE)
+    if not all(os.environ.get(name) for name in LAUNCH_VARIABLES):  # (torchrun's, beside WORLD_SIZE)
         return 0, 1
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import InputError
-
-_LAUNCH_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads beside WORLD_SIZE
+from .errors import LAUNCH_VARIABLES, InputError
 
 
 def launched_by_torchrun() -> bool:
@@ -22,7 +20,7 @@ def launched_by_torchrun() -> bool:
 
         >>> import unittest.mock
         >>> with unittest.mock.patch.dict(os.environ, {"WORLD_SIZE": "2"}):
-        ...     for name in _LAUNCH_VARIABLES:
+        ...     for name in LAUNCH_VARIABLES:
         ...         _ = os.environ.pop(name, None)
         ...     launched_by_torchrun()
         Traceback (most recent call last):
@@ -45,10 +43,10 @@ def launched_by_torchrun() -> bool:
         raise InputError(f"WORLD_SIZE={given} is below 1 (torchrun sets it to the number of processes; unset it to "
                          "train in one process)")
     if size > 1:
-        missing = next((name for name in _LAUNCH_VARIABLES if name not in os.environ), None)
+        missing = next((name for name in LAUNCH_VARIABLES if name not in os.environ), None)
         if missing is not None:
             raise InputError(f"WORLD_SIZE={given} but {missing} is not set: launch with torchrun (it sets "
-                             f"{', '.join(_LAUNCH_VARIABLES)}), or unset WORLD_SIZE to train in one process")
+                             f"{', '.join(LAUNCH_VARIABLES)}), or unset WORLD_SIZE to train in one process")
         # their values too (a traceback from int() or from the rendezvous, exit 1, before)
         for name, low, high in (("RANK", 0, size - 1), ("LOCAL_RANK", 0, None), ("MASTER_PORT", 0, 65535)):
             text = os.environ.get(name)
