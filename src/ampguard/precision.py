@@ -144,8 +144,11 @@ class _HandedOver:
     loop's resume made after ``Guard()`` was dropped at the first step, whose shared tensors were
     the guard's), ``scale`` and ``update`` raise, naming the fix (``scaler.scale(loss)`` given to
     ``guard.backward`` scaled the loss twice: gradients ``scale`` times too large, steps skipped;
-    a kept ``scaler.update()`` ended in PyTorch's bare "No inf checks were recorded"). A module-level
-    class on the instance: a guard holding the scaler still pickles and copies.
+    a kept ``scaler.update()`` ended in PyTorch's bare "No inf checks were recorded"). The scale
+    refusal also names the way for the one ``scale()`` of the stock recipes that is not the
+    backward's: a gradient penalty's ``torch.autograd.grad(scaler.scale(loss), ...)``, ported
+    with the scaler handed over, was told only "give guard.backward the loss as it is" (review 61a).
+    A module-level class on the instance: a guard holding the scaler still pickles and copies.
 
     Only while the guard's scaler lives: it holds it weakly, and once the guard (and with it its
     ``GuardedGradScaler``) is collected, :func:`_hand_back` takes these off the instance, which is
@@ -161,7 +164,7 @@ class _HandedOver:
         >>> plain.scale(torch.ones(()))
         Traceback (most recent call last):
         ...
-        RuntimeError: scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss itself (kept, the loss is scaled twice and the gradients come out scale times too large); give guard.backward the loss as it is (to go back to the plain loop while the guard lives, make a new GradScaler and load_state_dict(this one's state_dict()); once the guard is collected this one is plain again)
+        RuntimeError: scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss itself (kept, the loss is scaled twice and the gradients come out scale times too large); give guard.backward the loss as it is; a gradient penalty's torch.autograd.grad(scaler.scale(loss), params, create_graph=True) scales with guard.scaler.scale(loss) and unscales by 1 / guard.scaler.get_scale() (to go back to the plain loop while the guard lives, make a new GradScaler and load_state_dict(this one's state_dict()); once the guard is collected this one is plain again)
         >>> del guarded; plain.scale(torch.ones(()))  # (the guard gone: plain again)
         tensor(4.)
     """
@@ -172,7 +175,9 @@ class _HandedOver:
     _FIXES = {
         "scale": ("scaler.scale(loss) on the GradScaler handed to the Guard: guard.backward(loss) scales the loss "
                   "itself (kept, the loss is scaled twice and the gradients come out scale times too large); give "
-                  f"guard.backward the loss as it is ({_BACK})"),
+                  "guard.backward the loss as it is; a gradient penalty's torch.autograd.grad(scaler.scale(loss), "
+                  "params, create_graph=True) scales with guard.scaler.scale(loss) and unscales by "
+                  f"1 / guard.scaler.get_scale() ({_BACK})"),
         "update": ("scaler.update() on the GradScaler handed to the Guard: guard.step() updates the scale itself, "
                    f"every step; remove it from the loop ({_BACK})"),
     }
