@@ -649,6 +649,40 @@ def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
     return found, factor
 
 
+def _fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a torch fused SGD with momentum (:func:`_start_momentum`)."""
+    return isinstance(optimizer, torch.optim.SGD) and any(
+        group.get("fused") and group.get("momentum", 0) != 0 for group in optimizer.param_groups)
+
+
+def _start_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Zeros as the momentum buffers of a torch fused SGD before its first sync-free step.
+
+    Torch's fused SGD makes its buffers at its first step with ``empty_like`` and lets the
+    kernel fill them (``buf = g``), but the kernel returns before that when ``found_inf`` is 1:
+    a sync-free step that skipped the first update left uninitialised memory as the momentum,
+    and the next applied update moved the weights by it (1e11 on a CPU; found by fuzzing the
+    step against the recipe, review 61b; a plain ``GradScaler.step`` over a fused SGD does the
+    same). From zeros the kernel's ``momentum x 0 + (1 - dampening) x g`` is its first step's
+    ``g`` bit for bit (dampening 0: ``_check_sync_free`` refuses another), and a skipped step
+    leaves them 0, so the next applied one is that first step again. Called when the state is
+    empty (the first step, or a state loaded from before one): O(1) on every other step.
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.full((2,), math.inf)
+        >>> sgd = torch.optim.SGD([w], lr=torch.tensor(0.1), momentum=0.9, fused=True)
+        >>> _start_momentum(sgd); sgd.found_inf = torch.tensor(1.0); sgd.step()
+        >>> sgd.state[w]["momentum_buffer"], w.detach()
+        (tensor([0., 0.]), tensor([1., 1.]))
+    """
+    for group in optimizer.param_groups:
+        if group.get("fused") and group.get("momentum", 0) != 0:
+            for p in group["params"]:
+                if p.grad is not None and optimizer.state[p].get("momentum_buffer") is None:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+
+
 @functools.cache
 def _compiled_tail() -> Callable[..., Any]:
     """:func:`sync_free_tail` compiled once per process (``torch.compile``, the whole graph)."""
@@ -790,7 +824,9 @@ class Guard:
             needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD) and tensor
             learning rates; a schedule is ``lr_schedule`` or one on the device as ``scheduler``
             (:class:`~ampguard.schedule.DeviceLambdaLR`, which the step drives, never steps), a
-            host scheduler is refused, and with neither the learning rate stays as it is.
+            host scheduler is refused, and with neither the learning rate stays as it is. A fused
+            SGD's momentum buffers start at zero (torch's leaves them unset when a skip holds
+            its first step; dampened momentum is refused).
             ``step()`` then returns a :class:`PendingStep` whose skip decision is read by
             whoever reads its values.
         lr_schedule: with ``sync_free`` (refused without it, and beside a ``scheduler``),
@@ -817,6 +853,9 @@ class Guard:
     # the optimizer whose step() raised after it may have begun its update (set on the error path
     # only, read and cleared by _dropped: its note says the update may be partly applied; review 55r)
     _partly: str | None = None
+    # sync_free over a torch fused SGD with momentum: its buffers are set to 0 before its first step
+    # (_start_momentum: a first step skipped by found_inf left them uninitialised; review 61b)
+    _fused_momentum = False
 
     # the optimizer itself when there is one, else {name: optimizer} (guard.optimizers always the latter)
     optimizer: _SetOnce[torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]] = _SetOnce()
@@ -929,6 +968,7 @@ class Guard:
             self._updates_t = torch.zeros((), dtype=torch.int64, device=model_device)
             self._zero = torch.zeros((), device=model_device)  # (never written: the tail's ``pre * 0``)
             self._base_lrs = [_initial_lr(group) for group in self.optimizer.param_groups]
+            self._fused_momentum = _fused_sgd_momentum(self.optimizer)  # (its buffers start at 0: _start_momentum)
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
         self._modules, self._root, self._frozen_mode = modules, root, frozen
@@ -999,6 +1039,8 @@ class Guard:
         if isinstance(unchecked, bool):  # (a guard pickled when it was one flag for the first group)
             self._edits_unchecked = set(self.optimizers) if unchecked else set()
         self.__dict__.setdefault("_grads_seen", None)
+        if self.__dict__.get("sync_free") and "_fused_momentum" not in state:  # (a guard pickled before review 61b)
+            self._fused_momentum = _fused_sgd_momentum(self.optimizer)
         self.__dict__.pop("_edit_let_through", None)
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
@@ -1938,6 +1980,8 @@ class Guard:
             hook(grads)
         if factor is not None:
             grads.scale_(factor)
+        if self._fused_momentum and not self.optimizer.state:  # (a fused SGD's first step: _start_momentum)
+            _start_momentum(self.optimizer)
         self.optimizer.found_inf = found  # type: ignore[attr-defined]
         with _GuardStepping([self.optimizer]):
             try:
@@ -2004,6 +2048,11 @@ class Guard:
                              "device as scheduler= (ampguard.schedule.DeviceLambdaLR)")
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise ValueError("sync_free needs tensor learning rates, e.g. AdamW(params, lr=torch.tensor(1e-3), fused=True)")
+        if _fused_sgd_momentum(optimizer) and any(group.get("dampening", 0) != 0 for group in optimizer.param_groups
+                                              if group.get("momentum", 0) != 0):
+            raise ValueError("sync_free with a fused SGD whose momentum has dampening: the guard starts its momentum "
+                             "buffers at 0 (torch's fused SGD leaves them unset when a skip holds its first step), "
+                             "which is torch's first step only with dampening=0; use dampening=0, or sync_free=False")
 
     @property
     def updates(self) -> int:
