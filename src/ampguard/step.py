@@ -819,7 +819,9 @@ class Guard:
             and state are taken over), or keyword arguments for one (``init_scale``,
             ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_scale``; under a
             precision that runs no loss scaler said ignored, all but ``enabled``).
-        scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step.
+        scheduler_on_skip: ``"hold"`` (default) or ``"step"`` the scheduler on a skipped step
+            (``"step"`` is the exact step's: refused with ``sync_free``, whose schedule counts
+            applied updates).
         sync_free: the fast path with **no** host read at all (see ``_finish_group_sync_free``):
             needs an optimizer that takes ``found_inf`` (fused AdamW / Adam / SGD) and tensor
             learning rates; a schedule is ``lr_schedule`` or one on the device as ``scheduler``
@@ -910,6 +912,10 @@ class Guard:
             raise ValueError("sync_free takes lr_schedule= or a DeviceLambdaLR as scheduler=, not both")
         if sync_free and len(optimizers) > 1:
             raise ValueError("sync_free takes one optimizer; several step with one host read per step")
+        if sync_free and scheduler_on_skip == "step":  # (it was ignored: the LR held on every skipped step)
+            raise ValueError("scheduler_on_skip='step' needs the exact step: the sync-free step's schedule counts "
+                             "applied updates on the device, so it holds on a skipped step; use "
+                             "scheduler_on_skip='hold', or sync_free=False")
 
         if not isinstance(precision, Precision):
             precision = Precision(precision, device.type)

@@ -69,3 +69,13 @@ def test_sync_free_refuses_a_fused_sgd_with_dampened_momentum():
     with pytest.raises(ValueError, match="dampening"):
         Guard(model, _fused_sgd(model, dampening=0.1), precision="fp32", sync_free=True)
 
+
+def test_sync_free_refuses_scheduler_on_skip_step():
+    """The sync-free step's schedule counts applied updates on the device, so it held on every
+    skipped step whatever ``scheduler_on_skip`` said: ``"step"`` was silently ignored (the
+    config's ``fast: true`` refuses it; the library took it)."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)
+    with pytest.raises(ValueError, match="scheduler_on_skip='step' needs the exact step"):
+        Guard(model, opt, precision="fp32", sync_free=True, scheduler_on_skip="step",
+              lr_schedule=lambda updates: 1.0 / (1.0 + updates))
