@@ -30,7 +30,7 @@ from .errors import shown as shown_path
 from .files import temporary_beside
 from .monitor import RunMonitor
 from .report import (LoggedEvents, _linear_y, check_plot_path, cut_short, dots, drawn_by_ampguard, ended_at, log_y,
-                     finite_points, import_matplotlib, judged_at_end, new_figure, panel_title, plot_metadata,
+                     finite_points, gapped_line, import_matplotlib, judged_at_end, new_figure, panel_title, plot_metadata,
                      policy_changes_of, read_card, read_held_out, reading_notes, replay, rollbacks_of, rolling_skip_rate,
                      scale_restarts, segment_ends, shown, threshold_by_step, threshold_line, threshold_text, whole_steps)
 from .run_folder import RunPaths
@@ -314,7 +314,8 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
         log_loss = log_loss and (not ys or min(ys) > 0)  # (a run with no finite loss has no say)
         losses += ys
         label = run.name if ys else f"{run.name} (no finite loss)"  # (nothing of it on this panel: said why)
-        handles += ax_loss.plot(xs, ys, lw=1, color=colour, label=label, **dots(xs))
+        gx, gy, lone = gapped_line([r.step for r in rows], [r.loss for r in rows])  # (a gap at a non-finite loss)
+        handles += ax_loss.plot(gx, gy, lw=1, color=colour, label=label, **lone)
         # a skipped step at its loss; a non-finite loss at the last finite one (before the first: at the first)
         marks, last = [], ys[0] if ys else None
         for r in rows:
@@ -323,8 +324,8 @@ def _plot_overlay(runs: Sequence[RunSummary], png: str | Path) -> Path:
                 marks.append((r.step, last))
         if marks:
             ax_loss.plot([s for s, _ in marks], [y for _, y in marks], "x", color=colour, ms=5)
-        xs, ys = finite_points(rows, [r.grad_l2_pre_clip for r in rows], positive=True)
-        ax_norm.plot(xs, ys, lw=1, color=colour, label=run.name, **dots(xs))
+        xs, ys, lone = gapped_line([r.step for r in rows], [r.grad_l2_pre_clip for r in rows], positive=True)
+        ax_norm.plot(xs, ys, lw=1, color=colour, label=run.name, **lone)
         steps = [r.step for r in rows]
         threshold_line(ax_norm, steps, threshold_by_step(steps, "max_norm", run.config.max_norm, run.policy),
                        f"{run.name}: max_norm", color=colour, ls="--", lw=1)

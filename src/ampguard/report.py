@@ -367,6 +367,48 @@ def dots(xs: Sequence[Any]) -> dict[str, Any]:
     return {"marker": "o", "ms": 4} if len(xs) == 1 else {}
 
 
+def gapped_line(steps: Any, values: Any, positive: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+    """The points of a line with a gap at each value that is not finite (or not > 0 with
+    ``positive``: a log axis), :func:`thinned`, and the keyword arguments that dot its lone points
+    (:func:`lone_dots`). Dropping those values instead drew a segment from the step before to the
+    one after, read as a finite value at a skipped step whose norm was inf (review 61c); the skip's
+    own mark says why the line stops.
+
+    Example (step 2's norm was inf, step 3's empty: step 1 stands alone)::
+
+        >>> xs, ys, marks = gapped_line([1, 2, 3, 4, 5], [2.0, float("inf"), None, 0.5, 0.4], positive=True)
+        >>> xs.tolist(), ys.tolist(), marks
+        ([1, 2, 3, 4, 5], [2.0, nan, nan, 0.5, 0.4], {'marker': 'o', 'ms': 3, 'markevery': [0]})
+    """
+    import numpy as np
+
+    steps, values = np.asarray(steps), np.asarray(values, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        keep = np.isfinite(values) & (values > 0) if positive else np.isfinite(values)
+    xs, ys = thinned(steps, np.where(keep, values, np.nan))
+    return xs, ys, lone_dots(ys)
+
+
+def lone_dots(ys: Any) -> dict[str, Any]:
+    """The keyword arguments that make each lone point of a line with gaps visible (a finite value
+    whose neighbours are not: a line through it draws nothing), as :func:`dots` does for a line of
+    one point.
+
+    Example (steps 1, 3 and 5 finite, 2 and 4 gaps; 5 and 6 a segment)::
+
+        >>> import numpy as np
+        >>> lone_dots(np.array([1.0, np.nan, 2.0, np.nan, 3.0, 4.0])), lone_dots(np.array([1.0, 2.0]))
+        ({'marker': 'o', 'ms': 3, 'markevery': [0, 2]}, {})
+    """
+    import numpy as np
+
+    ok = np.isfinite(ys)
+    before = np.concatenate([[False], ok[:-1]])
+    after = np.concatenate([ok[1:], [False]])
+    lone = np.flatnonzero(ok & ~before & ~after)
+    return {"marker": "o", "ms": 3, "markevery": lone.tolist()} if len(lone) else {}
+
+
 def whole_steps(ax: Any) -> None:
     """The x axis of steps ticks whole numbers only (a short run's axis read 2.5, 7.5)."""
     from matplotlib.ticker import MaxNLocator
@@ -1291,21 +1333,22 @@ def _draw(fig: Any, axes: Any, rows: Sequence[Row] | StepColumns, heat: list[Hea
         keep = np.isfinite(values) & (values > 0) if positive else np.isfinite(values)
         return thinned(steps[keep], values[keep])
 
-    xs, ys = finite(columns.loss)
-    log_loss = bool(len(ys)) and ys.min() > 0
-    ax_loss.plot(xs, ys, lw=1, color="tab:blue", label="loss (mean of the step's micro-batches)", **dots(xs))
+    xs, ys, marks = gapped_line(steps, columns.loss)
+    shown = ys[np.isfinite(ys)]
+    log_loss = bool(len(shown)) and shown.min() > 0
+    ax_loss.plot(xs, ys, lw=1, color="tab:blue", label="loss (mean of the step's micro-batches)", **marks)
     if log_loss:
         log_y(ax_loss, "loss (log)")
     else:
-        _linear_y(ax_loss, ys.tolist(), "loss")
+        _linear_y(ax_loss, shown.tolist(), "loss")
     panel_title(ax_loss, "Loss")
 
     for values, label, colour in (
         (columns.grad_l2_pre_clip, "pre-clip", "tab:purple"),
         (columns.grad_l2_post_clip, "post-clip", "tab:green"),
     ):
-        xs, ys = finite(values, positive=True)
-        ax_norm.plot(xs, ys, lw=1, color=colour, label=f"{label} global L2 norm", **dots(xs))
+        xs, ys, marks = gapped_line(steps, values, positive=True)
+        ax_norm.plot(xs, ys, lw=1, color=colour, label=f"{label} global L2 norm", **marks)
     changes = _changes_at(steps, policy)
     threshold_line(ax_norm, changes, threshold_by_step(changes, "max_norm", max_norm, policy), "max_norm",
                    color="black", ls="--", lw=1)

@@ -3,6 +3,7 @@ and the overlay plot. Whole runs through the CLI are in ``tests/e2e/test_compare
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -425,6 +426,19 @@ def test_skipped_steps_before_the_first_finite_loss_are_marked_and_a_run_without
     marks = [line for line in overlay.axes[0].get_lines() if line.get_marker() == "x"]
     assert [(list(m.get_xdata()), list(m.get_ydata())) for m in marks] == [([1], [0.4])]
     assert [t.get_text() for t in overlay.axes[0].get_legend().get_texts()] == ["nan1", "allnan (no finite loss)"]
+
+
+def test_a_non_finite_loss_or_norm_is_a_gap_in_the_overlays_line_not_a_segment_over_it(tmp_path, monkeypatch):
+    # compare drew the loss and the pre-clip norm from step 1 straight to step 4 over steps 2-3
+    # (an inf norm, a NaN loss): a finite value there to the eye (review 61c)
+    run = make_run(tmp_path, "gaps", [clean(1), skip(2, 32768.0), skip(3, 16384.0, "non_finite_loss"), clean(4)])
+    drawn = _drawn(monkeypatch)
+    compare.plot_overlay(compare.load_runs([run, make_run(tmp_path, "flat", [clean(1), clean(2)])]), tmp_path / "c.png")
+    (overlay,) = drawn
+    (loss, _), (norm, _) = _data_lines(overlay.axes[0]), _data_lines(overlay.axes[1])
+    assert [None if math.isnan(y) else y for y in loss.get_ydata()] == [0.5, 0.5, None, 0.5]
+    assert [None if math.isnan(y) else y for y in norm.get_ydata()] == [2.0, None, None, 2.0]
+    assert list(norm.get_xdata()) == [1, 2, 3, 4] and norm.get_markevery() == [0, 3]  # (each alone: a dot)
 
 
 def test_thresholds_a_resume_changed_are_drawn_and_tabled_as_each_step_ran_under_them(tmp_path, monkeypatch, capsys):

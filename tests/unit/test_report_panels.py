@@ -41,14 +41,30 @@ def test_the_five_panels_and_the_title_say_what_they_hold(drawn):
 def test_the_lines_are_the_csvs_columns_and_the_thresholds(drawn):
     _, (ax_loss, ax_norm, ax_scale, ax_lr, ax_skip) = drawn
     lines = {line.get_label(): line for ax in (ax_loss, ax_norm, ax_scale, ax_lr, ax_skip) for line in ax.get_lines()}
-    assert list(lines["loss (mean of the step's micro-batches)"].get_xdata()) == [1, 2, 4]  # (nan left out)
-    assert list(lines["pre-clip global L2 norm"].get_xdata()) == [1, 4]  # inf and empty left out
+    assert _with_gaps(lines["loss (mean of the step's micro-batches)"]) == [(1, 0.5), (2, 0.4), (3, None), (4, 0.3)]
+    assert _with_gaps(lines["pre-clip global L2 norm"]) == [(1, 2.0), (2, None), (3, None), (4, 0.5)]
     assert list(lines["max_norm = 1"].get_ydata()) == [1.0, 1.0]
     assert list(lines["log2(scale)"].get_ydata()) == [math.log2(v) for v in (65536.0, 32768.0, 16384.0, 16384.0)]
     assert list(lines["learning rate (param group 0)"].get_ydata()) == [0.1, 0.1, 0.1, 0.05]
     assert list(lines["rolling skip rate (window 10)"].get_ydata()) == [0.0, 0.5, 2 / 3, 0.5]
     assert list(lines["alert_rate = 0.05"].get_ydata()) == [0.05, 0.05]
     assert list(lines["fail_rate = 0.5"].get_ydata()) == [0.5, 0.5]
+
+
+def _with_gaps(line):
+    return [(int(x), None if math.isnan(y) else y) for x, y in zip(line.get_xdata(), line.get_ydata())]
+
+
+def test_a_non_finite_value_is_a_gap_in_its_line_and_a_lone_point_a_dot(drawn):
+    """Step 2's pre-clip norm was inf, step 3's empty: the line stops there (a segment from step 1
+    to step 4 read as a finite norm at the skipped steps, review 61c), and steps 1 and 4, each
+    between gaps, are dots (a line through one point draws nothing)."""
+    _, (ax_loss, ax_norm, *_) = drawn
+    pre, post = ax_norm.get_lines()[:2]
+    assert pre.get_markevery() == [0, 3] and pre.get_marker() == "o"
+    assert _with_gaps(post) == [(1, 1.0), (2, None), (3, None), (4, 0.5)] and post.get_markevery() == [0, 3]
+    loss = ax_loss.get_lines()[0]
+    assert loss.get_markevery() == [3] and _with_gaps(loss)[2] == (3, None)  # (steps 1-2 a segment; 4 alone)
 
 
 def test_every_skip_is_marked_on_every_panel_by_its_reason(drawn):
