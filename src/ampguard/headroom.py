@@ -452,6 +452,22 @@ def mha_logits(args: tuple[Any, ...], kwargs: dict[str, Any], chunk: int = LOGIT
     yield from _logits(q, k, size ** -0.25, keeps, chunk)
 
 
+def _largest(tops: torch.Tensor) -> torch.Tensor:
+    """The largest of a row's per-call ``tops`` (one per micro-batch and per matmul of the step, each
+    :meth:`Headroom._add`'s) by the same rule as within one: inf where one is inf whatever NaNs lie
+    beside it, nan where a NaN lies beside finite values only. ``amax`` alone let a NaN win: an
+    attention's logits overflowing to inf, then its ``softmax(inf) @ v`` NaN, read nan (a row
+    that says nothing) instead of overflowed, and the overflow went unannounced (review 61f).
+
+    Example::
+
+        >>> [_largest(torch.tensor(t)).item() for t in ([math.inf, math.nan], [1.0, math.nan], [1.0, 2.0])]
+        [inf, nan, 2.0]
+    """
+    top = torch.nan_to_num(tops, nan=0.0, posinf=math.inf).amax()
+    return torch.where(tops.isnan().any() & ~top.isinf(), math.nan, top)
+
+
 def _plain(t: Any) -> bool:
     """A tensor the attention probes read: floating, dense, with values."""
     return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested and t.is_floating_point()
@@ -745,7 +761,7 @@ class Headroom:
         if step != self._step or not self._stats:
             return []
         keys = sorted(self._stats, key=lambda k: (self._order[k[0]], TENSORS.index(k[1])))
-        amax = torch.stack([torch.stack([s[0] for s in self._stats[k]]).amax() for k in keys])
+        amax = torch.stack([_largest(torch.stack([s[0] for s in self._stats[k]])) for k in keys])
         under = torch.stack([torch.stack([s[1] for s in self._stats[k]]).sum().float() for k in keys])
         numbers = [amax, under]
         if isinstance(self._scale, torch.Tensor):

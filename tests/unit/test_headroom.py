@@ -969,3 +969,29 @@ def test_an_inference_mode_forward_and_a_sparse_gradient_of_padding_alone_are_me
         model(torch.tensor([0, 0])).sum().backward()
     rows = {(r.module, r.tensor) for r in headroom.read(1)}
     assert ("fc", "output") in rows and ("emb", "param_grad") not in rows
+
+
+def test_attention_logits_that_overflow_alert_though_the_softmax_after_them_makes_the_next_product_nan():
+    # review 61f: a module's `matmul` row is the largest over its products (and micro-batches); the
+    # logits' inf beside `softmax(inf) @ v`'s NaN read nan (amax let the NaN win), a row that says
+    # nothing: an attention whose logits had overflowed fp16 was never announced (every: 100
+    # measured only steps where it was so), though `_add` keeps inf beside NaN within one product
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(2, 2, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x)
+            return torch.softmax(q @ q.transpose(-2, -1), dim=-1) @ x  # logits 2 * 200**2: inf in fp16
+
+    model = Attention().half()
+    with torch.no_grad():
+        model.q.weight.copy_(torch.eye(2))
+    headroom = Headroom(model, "fp16", every=1, alert_bits=4.0)
+    with headroom.measuring(1):
+        model(torch.full((1, 2, 2), 200.0, dtype=torch.float16))
+    matmul = [r for r in headroom.read(1) if r.tensor == "matmul"]
+    assert [(r.module, r.amax, r.headroom_bits) for r in matmul] == [("(root)", math.inf, -math.inf)]
+    assert [(e.kind, e.data["module"], e.data["tensor"]) for e in headroom.observe_step(1)] == [
+        ("headroom_alert", "(root)", "matmul")]
