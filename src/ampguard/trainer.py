@@ -491,7 +491,10 @@ class Trainer:
                     record = self.train_step()
                 except BadBatch as bad:  # the steps before it stand: their records, the run card
                     self._back_to_the_group_start()
-                    return Stop(ExitCode.BAD_INPUT, f"bad data at step {self.state.steps + 1}: {bad}", BAD_DATA)
+                    # (the records in flight judged first: a guard's stop among them is the run's end, as
+                    # on the exact path, whose guard stops the run before it reads the next batch; review 61e)
+                    return self.handle(self.inflight.drain()) or \
+                        Stop(ExitCode.BAD_INPUT, f"bad data at step {self.state.steps + 1}: {bad}", BAD_DATA)
             self._timed(stop.ran() - began)
             self.throughput.steady()  # the run card's throughput counts from the end of the first step
             if self.state.steps >= self.config.steps:
@@ -514,8 +517,11 @@ class Trainer:
             if full:  # a file found no room (on rank 0): every rank stops here, nothing more is written
                 return Stop(ExitCode.DISK_FULL, "disk full", DISK_FULL)
             if interrupted and self.state.steps < self.config.steps:  # the first Ctrl-C or SIGTERM, honoured at
-                self.settle()                                           # a step boundary (run() saves); after the
-                return self._interrupted(stop)                          # last step the run has finished: it ends so
+                # a step boundary (run() saves); after the last step the run has finished: it ends so. The records
+                # in flight are judged first: a guard that tripped on one stops the run (exit 3), as the exact
+                # path's guard does at the boundary the signal came to (review 61e: it was written unjudged, its
+                # `fail` event logged beside an "interrupted" card and exit 130)
+                return self.handle(self.inflight.drain()) or self._interrupted(stop)
             if self.save_due(self.state.steps):  # a checkpoint holds the monitors: every record handled first
                 decision = self.handle(self.inflight.drain())
                 if decision is not None:
