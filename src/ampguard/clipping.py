@@ -334,11 +334,22 @@ def clip_coefficient(pre: torch.Tensor, max_norm: float | None) -> torch.Tensor 
         (1.0, None)
     """
     max_norm = clip_threshold(max_norm)
-    if max_norm is None:
-        return None
+    return None if max_norm is None else coefficient(pre, max_norm)
+
+
+def coefficient(pre: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """:func:`clip_coefficient` for a threshold that is on: a number, or a 0-dim tensor on
+    ``pre``'s device (the compiled sync-free tail's: an input of its graph, where a number is a
+    constant that dynamo compiles the graph again for at each new value).
+
+    Example::
+
+        >>> coefficient(torch.tensor(3.0), 1.0).item() == coefficient(torch.tensor(3.0), torch.tensor(1.0)).item()
+        True
+    """
     # ``max_norm / (pre + 1e-6)`` is ``reciprocal() * max_norm`` in PyTorch (Tensor.__rdiv__):
     # the same kernels, called without the operator's Python wrapper, on the temporary in place
-    return (pre + _EPS).reciprocal_().mul_(max_norm).clamp_(max=1.0)
+    return (pre + _EPS).reciprocal_().mul_(threshold).clamp_(max=1.0)
 
 
 def factor_on_host(grads: GradSet, pre: torch.Tensor, max_norm: float | None) -> bool:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from . import distributed
-from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, clip_coefficient_value, clip_to_norm_,
-                       factor_on_host, post_clip_norm, post_clip_value)
+from .clipping import (HOST_ROUNDED, GradSet, check_max_norm, clip_coefficient, clip_coefficient_value, clip_threshold,
+                       clip_to_norm_, coefficient, factor_on_host, post_clip_norm, post_clip_value)
 from .errors import AmpguardWarning, user_stacklevel, whole_number, warn
 from .precision import GuardedGradScaler, Precision, PrecisionName, SlowPrecisionWarning, check_scaler_settings
 from .records import LABEL_COLUMNS, PendingStep, SkipLog, StepLog, loss_origin
@@ -615,7 +615,7 @@ def _epoch_of(scheduler: Any, depth: int = 0) -> int | None:
     return epoch if isinstance(epoch, int) else None
 
 
-def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | None,
+def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor, max_norm: float | torch.Tensor | None,
                    zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The sync-free step's scalar arithmetic once the group's loss mark (0, or NaN when a
     micro-batch loss was non-finite) and norm are known: ``(found, clip factor)``, where
@@ -624,6 +624,7 @@ def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
     count of applied updates (int64: exact at any count, where a float32 one stopped at 2**24,
     review 55b), advanced in place by ``found == 0`` (a bool, added as 1 or 0: two kernels). ``zero`` is a 0.0 of the norm's
     device. (The host computes the post-clip norm from the factor for a float32 norm: :meth:`Guard._post_clip`.)
+    ``max_norm`` as a 0-dim tensor is a threshold that is on (``fuse_tail``'s: :meth:`Guard._threshold_tensor`).
 
     ``found`` takes two kernels: ``mark + pre * 0`` is 0 for a finite norm and mark, NaN
     otherwise (``inf * 0`` is NaN, IEEE 754), and ``nan_to_num(1.0)`` makes that 0 or 1. Only
@@ -644,7 +645,7 @@ def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
     found = torch.addcmul(mark, pre, zero).nan_to_num_(1.0)
     if found.dtype != torch.float32:  # (a float64 norm): fused optimizers take a float32 flag
         found = found.float()
-    factor = clip_coefficient(pre, max_norm)
+    factor = coefficient(pre, max_norm) if isinstance(max_norm, torch.Tensor) else clip_coefficient(pre, max_norm)
     applied.add_(found == 0)
     return found, factor
 
@@ -685,7 +686,10 @@ def _start_momentum(optimizer: torch.optim.Optimizer) -> None:
 
 @functools.cache
 def _compiled_tail() -> Callable[..., Any]:
-    """:func:`sync_free_tail` compiled once per process (``torch.compile``, the whole graph)."""
+    """:func:`sync_free_tail` compiled once per process (``torch.compile``, the whole graph), given
+    the clip threshold as a tensor: a number is a constant of the graph, so each ``max_norm`` set
+    between steps (or another guard's) compiled it again, and the ninth value raised dynamo's
+    recompile limit out of ``step()`` (``fullgraph``)."""
     return torch.compile(sync_free_tail, fullgraph=True, dynamic=False)
 
 
@@ -858,6 +862,8 @@ class Guard:
     # sync_free over a torch fused SGD with momentum: its buffers are set to 0 before its first step
     # (_start_momentum: a first step skipped by found_inf left them uninitialised; review 61b)
     _fused_momentum = False
+    # fuse_tail's clip threshold as a tensor, and the (max_norm, dtype, device) it was made for (_threshold_tensor)
+    _threshold: tuple[tuple[float, torch.dtype, torch.device], torch.Tensor] | None = None
 
     # the optimizer itself when there is one, else {name: optimizer} (guard.optimizers always the latter)
     optimizer: _SetOnce[torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]] = _SetOnce()
@@ -1978,8 +1984,10 @@ class Guard:
         grads, loss, mark, pre, _, origin = self._unscale_and_measure(tuple(self.optimizers))
         self._set_lrs()  # this step's LR, from the count before it
         lr = self.optimizer.param_groups[0]["lr"]
-        tail = _compiled_tail() if self.fuse_tail else sync_free_tail
-        found, factor = tail(mark, pre, self._updates_t, self.max_norm, self._zero)
+        if self.fuse_tail:
+            found, factor = _compiled_tail()(mark, pre, self._updates_t, self._threshold_tensor(pre), self._zero)
+        else:
+            found, factor = sync_free_tail(mark, pre, self._updates_t, self.max_norm, self._zero)
         self._tail_found = found  # (the count advanced: put back if the step fails before the optimizer's)
         post, carried = self._post_clip(pre, factor)
         for hook in self.group_hooks:
@@ -2016,6 +2024,20 @@ class Guard:
         return PendingStep(step=self.steps, lr=lr, loss=loss, grad_l2_pre_clip=pre,
                            grad_l2_post_clip=None if clip else carried, scaler_scale=scale, loss_mark=mark,
                            loss_ranks=ranks, loss_rank_code=code, world=world, packed=packed, clip=clip)
+
+    def _threshold_tensor(self, pre: torch.Tensor) -> torch.Tensor | None:
+        """``fuse_tail``'s clip threshold: ``None`` when clipping is off, else ``max_norm`` as a 0-dim
+        tensor on the norm's device (float64 for a float64 norm, else float32, as the eager tail's
+        kernels take the number), made again only when ``max_norm`` or the norm's dtype or device
+        changed (a fill: no copy from the host)."""
+        threshold = clip_threshold(self.max_norm)
+        if threshold is None:
+            return None
+        key = (threshold, pre.dtype, pre.device)
+        if self._threshold is None or self._threshold[0] != key:
+            dtype = torch.promote_types(pre.dtype, torch.float32)
+            self._threshold = (key, torch.full((), threshold, dtype=dtype, device=pre.device))
+        return self._threshold[1]
 
     def _set_lrs(self) -> None:
         """Sync-free: each group's LR for this step, ``base x factor(applied updates)`` on the

@@ -107,6 +107,29 @@ def test_the_compiled_tail_makes_the_same_decisions(run, precision):
         AmpTrainState(plain, torch.optim.SGD(plain.parameters(), lr=0.1), F.mse_loss, precision="bf16", fuse_tail=True)
 
 
+def test_the_compiled_tail_is_not_compiled_again_for_each_max_norm():
+    # review 61d: max_norm went into the compiled tail as a number, a constant dynamo specialises the
+    # graph on, so each value set between steps (or another guard's) compiled it again, and the
+    # ninth raised FailOnRecompileLimitHit out of step() (fullgraph=True). Now a tensor, an input.
+    # (After test_the_compiled_tail_makes_the_same_decisions the first step hits its compile: ~0.1 s)
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), fused=True)
+    guard = AmpTrainState(model, opt, F.mse_loss, precision="bf16", sync_free=True, fuse_tail=True)
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    assert not guard.step(x, y).skipped  # (max_norm 1.0: the tail compiled, or found compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    factors = []
+    for max_norm in (0.5, 0.25, 1e-3):
+        guard.max_norm = max_norm
+        record = guard.step(x, y).values()
+        factors.append(record["grad_l2_post_clip"] / record["grad_l2_pre_clip"])
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+    assert factors[2] < factors[1] < factors[0] <= 1  # (each threshold clips as set)
+
+
 def test_lr_schedule_is_refused_without_sync_free_or_beside_a_device_scheduler():
     # review 33d: without sync_free it was ignored (a warm-up trained at the full LR from step 1)
     from ampguard.schedule import DeviceLambdaLR
