@@ -1070,14 +1070,11 @@ class Guard:
         loss scaler (small gradients flush to zero), unsaid. A forward the probe did not see (compiled, or not
         through the model's ``__call__``) leaves the hooks in place (removing them would make
         ``torch.compile`` compile the model again) and says nothing."""
-        seen, handles, self._autocast_probes = self._forward_autocast, self._autocast_probes, []
+        seen = self._forward_autocast
         if seen is None:  # (left to go with the guard: _probe_autocast's finalizer)
+            self._autocast_probes = []
             return
-        for handle in handles:
-            handle.remove()
-        for module in self._modules:
-            if (probing := _PROBING.get(module)) is not None:
-                probing.discard(self)
+        self._drop_autocast_probe()
         where = f"Guard(precision={self.precision.name!r}): the model's forward ran"
         if seen is False and not self.precision.autocasts:  # (fp32: no autocast is the precision asked for)
             return
@@ -1091,6 +1088,18 @@ class Guard:
             warn(f"{where} under autocast({said}), not the guard's {str(self.precision.dtype).removeprefix('torch.')}{scaler}: "
                  f"a torch.autocast of the loop's own? use `with guard.autocast():`", AmpguardWarning,
                  stacklevel=user_stacklevel())
+
+    def _drop_autocast_probe(self) -> None:
+        """The probe's hooks off the models now, nothing said: ``ampguard train`` before it compiles
+        the model in place (it runs every forward inside ``autocast()``; a hook left there was
+        compiled by dynamo as a frame of its own, noting nothing, and compiled again at the first
+        evaluation, under ``torch.no_grad()``: a recompile the bare compiled loop has not)."""
+        handles, self._autocast_probes = self._autocast_probes, []
+        for handle in handles:
+            handle.remove()
+        for module in self._modules:
+            if (probing := _PROBING.get(module)) is not None:
+                probing.discard(self)
 
     def _every_scheduler(self) -> list[Any]:
         return [scheduler for schedulers in self._schedulers.values() for scheduler in schedulers]

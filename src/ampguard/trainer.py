@@ -201,6 +201,7 @@ class Trainer:
         self.state.autocast_dtypes = self.autocast_dtypes  # (noted at start-up: the first step notes none again)
         self.state._loop_notes = False  # (the run ends at any raise: no "next guard.backward()" for the CLI's user)
         if config.compile:  # after fp8's conversion and the DDP/FSDP2 wrap; in place: the same parameters
+            self.state._drop_autocast_probe()  # (before dynamo sees its hook: Guard._drop_autocast_probe)
             model.compile()
         self.evaluator = Evaluator(self.task, self.state.precision, self.device, config)
         if self.task.name == "factory":

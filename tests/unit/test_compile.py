@@ -122,3 +122,36 @@ def test_the_first_skip_diagnosis_replays_a_compiled_model_eagerly_not_compiling
     assert diagnosis.after(record).startswith("step 1 (non_finite_grad): first inf under fp16: in backward, the "
                                               "gradient of the model's output")
     assert len(compiled) == 1  # the replay compiled nothing
+
+
+def test_a_compiled_train_run_compiles_the_models_forward_alone(tmp_path, monkeypatch):
+    # review 61d: train built the guard, whose autocast probe put a forward pre-hook on the model,
+    # then compiled the model in place: dynamo compiled the hook as a frame of its own (noting
+    # nothing, so it stayed for the run) and compiled it again at the first evaluation, under
+    # no_grad: 4 frames where the bare compiled loop compiles 2. The eager backend: dynamo's
+    # frames and guards without a compiler (~0.2 s of CPU)
+    from torch._dynamo.utils import counters
+
+    from ampguard.config import validate
+    from ampguard.run_folder import RunPaths
+    from ampguard.train import run
+
+    (tmp_path / "mlp.py").write_text(
+        "import torch\nfrom torch import nn\nimport torch.nn.functional as F\n\n"
+        "class MLP(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)\n\n"
+        "    def forward(self, x):\n        return self.b(F.gelu(self.a(x)))\n\n"
+        "def build(config):\n    x, y = torch.randn(8, 4), torch.randn(8, 1)\n"
+        "    return {'model': MLP(), 'data': [(x, y)], 'loss_fn': F.mse_loss, 'metrics': ('val_loss',),\n"
+        "            'evaluate': lambda model, device: {'val_loss': F.mse_loss(model(x), y)}}\n")
+    real_compile = nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda module, *a, **k: real_compile(module, *a, **{**k, "backend": "eager"}))
+    config = validate({"task": {"factory": f"{tmp_path / 'mlp.py'}:build"}, "eval": {"every": 1}, "steps": 2,
+                       "precision": "bf16", "device": "cpu", "compile": True, "checkpoint": {"enabled": False}})
+    torch._dynamo.reset()
+    counters.clear()
+    result = run(config, outputs=lambda: RunPaths(csv=tmp_path / "steps.csv"), console_every=100,
+                 print_fn=lambda line: None)
+    assert result.ended == "finished: 2 steps"
+    # the model's forward, for training and for evaluation (no_grad), as the bare compiled loop's
+    assert counters["frames"]["total"] == 2 and counters["stats"]["unique_graphs"] == 2
