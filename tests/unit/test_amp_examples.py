@@ -147,22 +147,6 @@ def test_a_plain_gradscaler_handed_over_names_the_penalty_way_and_follows_it():
 # ------------------------------------------------------------------ custom autograd functions
 
 
-class _FloatMM(torch.autograd.Function):
-    """The page's ``MyFloat32Func`` shape: ``cast_inputs=torch.float32``, autocast off inside."""
-
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a.mm(b)
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        return grad.mm(b.t()), a.t().mm(grad)
-
-
 class _MM(torch.autograd.Function):
     """The page's ``MyMM``: ``custom_fwd`` without a cast, its backward under the forward's autocast state."""
 
@@ -177,6 +161,16 @@ class _MM(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         return grad.mm(b.t()), a.t().mm(grad)
+
+
+class _FloatMM(_MM):
+    """The page's ``MyFloat32Func`` shape: ``cast_inputs=torch.float32``, autocast off inside (the backward, ``_MM``'s)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
 
 
 class _Custom(nn.Module):
