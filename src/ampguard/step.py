@@ -650,10 +650,12 @@ def sync_free_tail(mark: torch.Tensor, pre: torch.Tensor, applied: torch.Tensor,
     return found, factor
 
 
-def _fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is a torch fused SGD with momentum (:func:`_start_momentum`)."""
-    return isinstance(optimizer, torch.optim.SGD) and any(
-        group.get("fused") and group.get("momentum", 0) != 0 for group in optimizer.param_groups)
+def _fused_momentum_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups of a torch SGD that are fused and carry momentum (:func:`_start_momentum`);
+    none for any other optimizer."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [group for group in optimizer.param_groups if group.get("fused") and group.get("momentum", 0) != 0]
 
 
 def _start_momentum(optimizer: torch.optim.Optimizer) -> None:
@@ -677,11 +679,10 @@ def _start_momentum(optimizer: torch.optim.Optimizer) -> None:
         >>> sgd.state[w]["momentum_buffer"], w.detach()
         (tensor([0., 0.]), tensor([1., 1.]))
     """
-    for group in optimizer.param_groups:
-        if group.get("fused") and group.get("momentum", 0) != 0:
-            for p in group["params"]:
-                if p.grad is not None and optimizer.state[p].get("momentum_buffer") is None:
-                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+    for group in _fused_momentum_groups(optimizer):
+        for p in group["params"]:
+            if p.grad is not None and optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
 
 
 @functools.cache
@@ -980,7 +981,7 @@ class Guard:
             self._updates_t = torch.zeros((), dtype=torch.int64, device=model_device)
             self._zero = torch.zeros((), device=model_device)  # (never written: the tail's ``pre * 0``)
             self._base_lrs = [_initial_lr(group) for group in self.optimizer.param_groups]
-            self._fused_momentum = _fused_sgd_momentum(self.optimizer)  # (its buffers start at 0: _start_momentum)
+            self._fused_momentum = bool(_fused_momentum_groups(self.optimizer))  # (its buffers start at 0: _start_momentum)
             if scheduler is not None:  # a schedule on the device reads the same count (its state_dict, at saves)
                 scheduler.applied = self._updates_t
         self._modules, self._root, self._frozen_mode = modules, root, frozen
@@ -1052,7 +1053,7 @@ class Guard:
             self._edits_unchecked = set(self.optimizers) if unchecked else set()
         self.__dict__.setdefault("_grads_seen", None)
         if self.__dict__.get("sync_free") and "_fused_momentum" not in state:  # (a guard pickled before review 61b)
-            self._fused_momentum = _fused_sgd_momentum(self.optimizer)
+            self._fused_momentum = bool(_fused_momentum_groups(self.optimizer))
         self.__dict__.pop("_edit_let_through", None)
         if "_slots" not in state and "_root" in state:  # (a guard pickled before the slots were read)
             self._slots = _parameter_slots(self._root)
@@ -2085,8 +2086,8 @@ class Guard:
                              "device as scheduler= (ampguard.schedule.DeviceLambdaLR)")
         if not all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
             raise ValueError("sync_free needs tensor learning rates, e.g. AdamW(params, lr=torch.tensor(1e-3), fused=True)")
-        if _fused_sgd_momentum(optimizer) and any(group.get("dampening", 0) != 0 for group in optimizer.param_groups
-                                              if group.get("momentum", 0) != 0):
+        if _fused_momentum_groups(optimizer) and any(group.get("dampening", 0) != 0 for group in optimizer.param_groups
+                                                     if group.get("momentum", 0) != 0):
             raise ValueError("sync_free with a fused SGD whose momentum has dampening: the guard starts its momentum "
                              "buffers at 0 (torch's fused SGD leaves them unset when a skip holds its first step), "
                              "which is torch's first step only with dampening=0; use dampening=0, or sync_free=False")
