@@ -51,6 +51,29 @@ def _mlp() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _stock_steps(forward, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, precision: str, data) -> None:
+    """The page's typical loop over ``data``: zero_grad, autocast forward and loss, scaled backward,
+    ``scaler.step``, ``scaler.update``."""
+    for x, y in data:
+        opt.zero_grad()
+        with _autocast(precision):
+            loss = F.mse_loss(forward(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def _guarded_steps(forward, guard: Guard, data) -> torch.Tensor:
+    """The same loop with the guard's verbs, every step applied; the last step's output."""
+    for x, y in data:
+        with guard.autocast():
+            out = forward(x)
+            loss = F.mse_loss(out, y)
+        guard.backward(loss)
+        assert not guard.step().skipped
+    return out
+
+
 def _equal(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -198,21 +221,10 @@ def test_custom_autograd_functions_under_the_guards_autocast_are_the_stock_recip
 
     stock, opt = fresh()
     scaler = _scaler(precision, init_scale=2.0**10)
-    for x, y in data:
-        opt.zero_grad()
-        with _autocast(precision):
-            loss = F.mse_loss(stock(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    _stock_steps(stock, opt, scaler, precision, data)
     model, opt = fresh()
     guard = _guard(model, opt, precision)
-    for x, y in data:
-        with guard.autocast():
-            out = model(x)
-            loss = F.mse_loss(out, y)
-        guard.backward(loss)
-        assert not guard.step().skipped
+    out = _guarded_steps(model, guard, data)
     assert out.dtype == torch.float32  # (cast_inputs=float32: the function ran in float32 under autocast)
     assert _equal(stock, model) and guard.scaler.get_scale() == scaler.get_scale()
 
@@ -226,22 +238,12 @@ def test_a_dataparallel_model_is_the_stock_recipe_bit_for_bit(precision):
     # CPU, DataParallel runs the module itself: the guard takes the wrapped model, its names "module."
     data = _data(3)
     stock, opt = _mlp()
-    wrapped, scaler = nn.DataParallel(stock), _scaler(precision, init_scale=2.0**10)
-    for x, y in data:
-        opt.zero_grad()
-        with _autocast(precision):
-            loss = F.mse_loss(wrapped(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    scaler = _scaler(precision, init_scale=2.0**10)
+    _stock_steps(nn.DataParallel(stock), opt, scaler, precision, data)
     model, opt = _mlp()
     wrapped = nn.DataParallel(model)
     guard = _guard(wrapped, opt, precision)
-    for x, y in data:
-        with guard.autocast():
-            loss = F.mse_loss(wrapped(x), y)
-        guard.backward(loss)
-        assert not guard.step().skipped
+    _guarded_steps(wrapped, guard, data)
     assert _equal(stock, model) and guard.scaler.get_scale() == scaler.get_scale()
     if precision != "fp32":
         low = str(_DTYPES[precision]).removeprefix("torch.")
